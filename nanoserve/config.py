@@ -1,0 +1,87 @@
+"""EngineOptions: the engine options a user passes, under the same names in LLM, AsyncLLM and the CLI.
+
+Values the engine discovers at start-up (KV blocks, fitted max_model_len) are not written back here;
+they come back in `EngineCoreReadyResponse`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+RUNNERS = ("model", "null")
+START_METHODS = ("spawn", "forkserver", "fork")
+TRANSPORTS = ("ipc", "tcp")
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+@dataclass
+class EngineOptions:
+    model: str | None = None
+    """HF folder or .gguf file; None selects the bundled SmolLM2-135M-Instruct GGUF."""
+    dtype: str = "auto"
+    """auto: bfloat16 where the CPU supports it natively (or on CUDA), else float32."""
+    max_model_len: int | None = None
+    """None: the model's own limit, reduced to what the KV cache can hold."""
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    """KV cache budget; default 1 GiB unless num_kv_blocks is given."""
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    multiprocess_mode: bool = field(default_factory=lambda: _env_flag("NANOSERVE_ENABLE_MULTIPROCESSING", False))
+    device: str = "auto"
+    """auto: cuda when available, else cpu."""
+    num_threads: int | None = None
+    """torch intra-op threads for the engine; None uses all cores the process may run on."""
+    runner: str = "model"
+    """model: the real transformer. null: a model-free runner (one token per request per step) used by
+    the IPC benchmark and client tests."""
+    engine_start_method: str = "spawn"
+    """How the multiprocess client starts engine-core processes (multiprocessing start method)."""
+    transport: str = "ipc"
+    """ipc: Unix sockets in the temp dir; tcp: loopback ports chosen by the kernel."""
+    shutdown_timeout: float = 0.0
+    """Seconds an engine core keeps serving in-flight requests after SIGTERM before aborting them."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}.")
+        if self.engine_start_method not in START_METHODS:
+            raise ValueError(f"engine_start_method must be one of {START_METHODS}, got {self.engine_start_method!r}.")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}.")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}.")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}.")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}.")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}.")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> EngineOptions:
+        """Build options from keyword arguments, naming any unknown option."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"Unknown engine option(s): {', '.join(unknown)}. Known: {', '.join(sorted(known))}.")
+        return cls(model=model, **kwargs)

@@ -1,0 +1,106 @@
+"""Request: the engine core's state for one request, from admission to finish."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.wire.messages import EngineCoreRequest, FinishReason
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    """Token ids, progress and sampling state of one sequence.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache; the request samples a new token
+    in a step that brings it to `num_tokens`. After preemption it drops to 0 and the whole sequence
+    (prompt + output so far) is recomputed as a prefill.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float,
+        max_tokens: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.max_tokens = max_tokens
+        """sampling_params.max_tokens, resolved against max_model_len by the engine."""
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        """Prompt tokens served from the prefix cache at first scheduling."""
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []
+        """Chained hashes of this request's full blocks, maintained by the KV cache manager."""
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @classmethod
+    def from_engine_core_request(cls, request: EngineCoreRequest, max_tokens: int) -> Request:
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.eos_token_id,
+            request.arrival_time,
+            max_tokens,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,121 @@
+"""Everything that crosses the frontend <-> engine-core boundary, in one place.
+
+Frontend -> engine (ROUTER -> DEALER, identity = engine rank as 2 bytes little-endian):
+    [identity, EngineCoreRequestType, *encoded payload]
+Engine -> frontend (PUSH -> PULL): one encoded `EngineCoreOutputs` per message, or, when an engine
+dies, an `EngineCoreOutputs` carrying an `EngineDeathRecord` followed by the single frame
+`ENGINE_CORE_DEAD`. Start-up: the engine reports `EngineHandshakePhase`s and ends with an
+`EngineCoreReadyResponse`. The in-process client passes the same objects without encoding them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from nanoserve.sampling_params import SamplingParams
+
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per new token: [(sampled_id, logprob), (top1_id, logprob), ...]; None unless requested."""
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    """The stop token id that ended the request, when one did."""
+    num_cached_tokens: int = 0
+    error: str | None = None
+    """Why the engine refused or failed this request (finish_reason is then ERROR)."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    call_id: int
+    failure_message: str | None = None
+    result: Any = None
+
+
+class EngineDeathRecord(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Why an engine core died, sent just before ENGINE_CORE_DEAD when the engine can still speak."""
+
+    engine_rank: int
+    exc_type: str
+    message: str
+    traceback_tail: str = ""
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    finished_requests: set[str] | None = None
+    death: EngineDeathRecord | None = None
+
+
+class EngineCoreUtilityRequest(msgspec.Struct, array_like=True, gc=False):
+    call_id: int
+    method: str
+    args: tuple = ()
+    client_index: int = 0
+
+
+class EngineHandshakePhase(msgspec.Struct, array_like=True, gc=False):
+    engine_rank: int
+    phase: str
+    """One of: started, loading_weights, sizing_kv_cache, ready."""
+
+
+class EngineCoreReadyResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The capacity the engine actually computed; the frontend schedules and validates against it."""
+
+    engine_rank: int
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
