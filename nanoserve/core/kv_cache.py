@@ -1,0 +1,186 @@
+"""KVCacheManager: the block pool, per-request block tables and the prefix cache.
+
+The KV cache is `num_blocks` blocks of `block_size` token slots. A request owns a block table, the
+list of block ids holding its tokens in order; the model runner reads it to find each token's slot.
+
+Prefix caching: every FULL, computed block is named by a chained hash, hash((parent hash, its token
+ids)), so equal hashes mean equal whole prefixes. A new request whose leading blocks hash to cached
+blocks shares them (ref count + 1) instead of recomputing them. A freed block keeps its hash and stays
+in the pool as an evictable free block until a fresh allocation needs it (least recently freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from nanoserve.core.request import Request
+
+_ROOT_HASH = 0
+"""Parent hash of a request's first block (a constant, unlike hash(None) on Python 3.11)."""
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be at least 1, got {num_blocks}, {block_size}.")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._hash_to_block: dict[int, int] = {}
+        # Free blocks come from two places: never-hashed blocks (a stack, handed out first) and cached
+        # blocks nobody uses (an ordered dict, oldest first: the LRU eviction order). Both are O(1).
+        self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._tables: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}
+        """Per request: how many leading blocks of its table are already in the prefix cache."""
+        self.prefix_cache_queries = 0
+        """Tokens of requests looked up in the prefix cache at their first allocation."""
+        self.prefix_cache_hits = 0
+        """Of those, tokens served from the cache."""
+
+    # ---- pool state ------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take, evictable cached blocks included."""
+        return len(self._free_uncached) + len(self._free_cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (evictable cached blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self._tables.get(request_id, [])
+
+    # ---- prefix cache ----------------------------------------------------------------------------
+
+    def _hash_blocks(self, request: Request, num_full_blocks: int) -> None:
+        """Extend `request.block_hashes` to cover its first `num_full_blocks` blocks."""
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        bs = self.block_size
+        for i in range(len(hashes), num_full_blocks):
+            parent = hashes[i - 1] if i else _ROOT_HASH
+            hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+
+    def get_computed_blocks(self, request: Request) -> int:
+        """Leading tokens of `request` whose K/V are in the prefix cache (a multiple of block_size).
+
+        The last token is never served from the cache, so the request still computes one token and
+        samples from it. Allocates nothing; pass the result to `allocate_slots` in the same step.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._hash_blocks(request, max_blocks)
+        num_hit = 0
+        for h in request.block_hashes[:max_blocks]:
+            if h not in self._hash_to_block:
+                break
+            num_hit += 1
+        return num_hit * self.block_size
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Name the request's newly full and computed blocks in the prefix cache.
+
+        Call after `request.num_computed_tokens` advanced (prompt chunks and generated tokens alike).
+        Amortised O(1) per token: each block is hashed once.
+        """
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        start = self._num_registered[request.request_id]
+        if num_full <= start:
+            return
+        self._hash_blocks(request, num_full)
+        for i in range(start, num_full):
+            h = request.block_hashes[i]
+            block = table[i]
+            # Two requests may compute the same block at once; the first one named keeps the name.
+            if h not in self._hash_to_block and self._block_hash[block] is None:
+                self._hash_to_block[h] = block
+                self._block_hash[block] = h
+        self._num_registered[request.request_id] = num_full
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is held by a request."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        self._hash_to_block.clear()
+        self._block_hash = [None] * self.num_blocks
+        self._free_uncached.extend(self._free_cached)
+        self._free_cached.clear()
+        return True
+
+    # ---- allocation ------------------------------------------------------------------------------
+
+    def _pop_free_block(self) -> int:
+        if self._free_uncached:
+            return self._free_uncached.pop()
+        block, _ = self._free_cached.popitem(last=False)  # evict the least recently freed
+        del self._hash_to_block[self._block_hash[block]]
+        self._block_hash[block] = None
+        return block
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
+        """Grow the request's table so that num_computed_tokens + num_cached_tokens + num_new_tokens fit.
+
+        On the request's first allocation, `num_cached_tokens` (from `get_computed_blocks`) selects the
+        shared cached blocks that start its table. Returns False, changing nothing, when the pool is
+        too small.
+        """
+        bs = self.block_size
+        table = self._tables.get(request.request_id)
+        hit_blocks: list[int] = []
+        if table is None:
+            hit_blocks = [self._hash_to_block[h] for h in request.block_hashes[: num_cached_tokens // bs]]
+            table_len = len(hit_blocks)
+        else:
+            assert num_cached_tokens == 0, "cached tokens are only taken at the first allocation"
+            table_len = len(table)
+        num_tokens = request.num_computed_tokens + num_cached_tokens + num_new_tokens
+        num_fresh = max(0, -(-num_tokens // bs) - table_len)
+        # Hits on unused cached blocks take them out of the free pool too.
+        num_revived = sum(1 for b in hit_blocks if self._ref_counts[b] == 0)
+        if num_fresh + num_revived > self.num_free_blocks:
+            return False
+
+        if table is None:
+            table = self._tables[request.request_id] = []
+            self._num_registered[request.request_id] = len(hit_blocks)
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += len(hit_blocks) * bs
+            for b in hit_blocks:
+                if self._ref_counts[b] == 0:
+                    del self._free_cached[b]
+                self._ref_counts[b] += 1
+                table.append(b)
+        for _ in range(num_fresh):
+            b = self._pop_free_block()
+            self._ref_counts[b] = 1
+            table.append(b)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; hashed ones stay cached until evicted."""
+        table = self._tables.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
+        if table is None:
+            return
+        # Tail blocks first, so they are evicted before the prefix blocks other requests are likelier
+        # to share.
+        for b in reversed(table):
+            self._ref_counts[b] -= 1
+            if self._ref_counts[b] == 0:
+                if self._block_hash[b] is None:
+                    self._free_uncached.append(b)
+                else:
+                    self._free_cached[b] = None

@@ -1,0 +1,234 @@
+"""Scheduler: continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+Each step `schedule()` spends a token budget (`max_num_batched_tokens`): first on the running requests
+in admission order (a decode takes 1 token, an unfinished prefill takes what is left of its prompt, up
+to the budget), then on waiting requests in FCFS order while fewer than `max_num_seqs` run. When a
+running request cannot get a KV block, the newest running request is preempted: its blocks are freed
+and it goes back to the front of the waiting queue, to recompute prompt + output when it resumes.
+
+`update_from_output()` then advances each scheduled request by its chunk, appends sampled tokens,
+applies the stop conditions and frees finished requests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from nanoserve.config import EngineOptions
+from nanoserve.core.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
+from nanoserve.core.kv_cache import KVCacheManager
+from nanoserve.core.request import Request, RequestStatus
+from nanoserve.wire.messages import EngineCoreOutput, SchedulerStats
+
+
+class Scheduler:
+    def __init__(self, options: EngineOptions, num_kv_blocks: int, max_model_len: int) -> None:
+        if max_model_len > num_kv_blocks * options.block_size:
+            # A lone request of max_model_len tokens must fit, or it would preempt itself forever.
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the KV cache capacity of "
+                f"{num_kv_blocks} blocks x {options.block_size} tokens."
+            )
+        self.max_num_seqs = options.max_num_seqs
+        self.max_num_batched_tokens = options.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.kv_cache = KVCacheManager(num_kv_blocks, options.block_size, options.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        """In admission order: the last one is the newest, the first to preempt."""
+        self.num_preemptions = 0
+
+    # ---- queue -----------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"Request {request.request_id} has {request.num_prompt_tokens} prompt tokens, "
+                f"more than max_model_len={self.max_model_len}."
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def request_ids(self) -> list[str]:
+        """Ids of every unfinished request, running or waiting."""
+        return list(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- schedule --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        kv = self.kv_cache
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens,
+                budget,
+                self.max_model_len - request.num_computed_tokens,
+            )
+            if num_new <= 0:
+                i += 1
+                continue
+            while not kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.PREEMPTED:
+                break  # it was the newest; nobody after it is left to schedule
+            out.chunks.append(ScheduledChunk(request, num_new, kv.block_ids(request.request_id)))
+            budget -= num_new
+            i += 1
+
+        # Admitting new work in a step that had to preempt would only thrash the cache.
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and not out.preempted_request_ids
+        ):
+            request = self.waiting[0]
+            num_cached = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not kv.allocate_slots(request, num_new, num_cached):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, num_new, kv.block_ids(request.request_id)))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- update ----------------------------------------------------------------------------------
+
+    def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineCoreOutput]:
+        index = {request_id: j for j, request_id in enumerate(out.request_ids)}
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+        for chunk in sched.chunks:
+            request = chunk.request
+            if request.is_finished:
+                continue  # aborted while the step ran
+            samples = chunk.samples  # read before advancing: it compares against num_computed_tokens
+            request.num_computed_tokens += chunk.num_new_tokens
+            self.kv_cache.cache_computed_blocks(request)
+            if not samples:
+                continue
+            j = index.get(request.request_id)
+            if j is None:
+                continue
+            token = out.sampled_token_ids[j]
+            request.append_output_token(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                request.status = status
+                self._free(request)
+                any_finished = True
+            logprobs = out.logprobs[j] if j < len(out.logprobs) else None
+            outputs.append(
+                EngineCoreOutput(
+                    request.request_id,
+                    [token],
+                    new_logprobs=None if logprobs is None else [logprobs],
+                    finish_reason=None if status is None else status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+
+    # ---- finish from outside ---------------------------------------------------------------------
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], status: RequestStatus
+    ) -> list[EngineCoreOutput]:
+        """Finish requests from outside the step (abort, error); unknown ids are ignored."""
+        assert status.is_finished, status
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        outputs: list[EngineCoreOutput] = []
+        finished: set[str] = set()
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                finished.add(request_id)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id,
+                    [],
+                    finish_reason=status.finish_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        if finished:
+            self.running = [r for r in self.running if r.request_id not in finished]
+        return outputs
+
+    # ---- stats -----------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache.reset_prefix_cache()
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache.usage,
+            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,172 @@
+"""KVCacheManager: block pool, ref counts, chained-hash prefix cache, LRU eviction."""
+
+from __future__ import annotations
+
+from nanoserve.core.kv_cache import KVCacheManager
+from nanoserve.core.request import Request
+from nanoserve.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_request(request_id: str, prompt: list[int]) -> Request:
+    return Request(
+        request_id, prompt, SamplingParams(max_tokens=8), eos_token_id=None, arrival_time=0.0, max_tokens=8
+    )
+
+
+def admit(kv: KVCacheManager, request: Request) -> int:
+    """What the scheduler does for a fresh request: look up, allocate the whole prompt, compute it."""
+    num_cached = kv.get_computed_blocks(request)
+    assert kv.allocate_slots(request, request.num_tokens - num_cached, num_cached)
+    request.num_computed_tokens = request.num_tokens
+    kv.cache_computed_blocks(request)
+    return num_cached
+
+
+def test_alloc_free_refcount():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    r = make_request("a", list(range(10)))
+    assert kv.allocate_slots(r, 10)
+    assert len(kv.block_ids("a")) == 3
+    assert kv.num_free_blocks == 5
+    assert kv.usage == 3 / 8
+    # growing within the last block needs no new block; crossing its end does
+    r.num_computed_tokens = 10
+    assert kv.allocate_slots(r, 2)
+    assert len(kv.block_ids("a")) == 3
+    assert kv.allocate_slots(r, 3)
+    assert len(kv.block_ids("a")) == 4
+    kv.free(r)
+    assert kv.num_free_blocks == 8
+    assert kv.block_ids("a") == []
+    assert kv.usage == 0.0
+
+
+def test_allocation_failure_changes_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=BS, enable_prefix_caching=False)
+    a = make_request("a", list(range(8)))
+    assert kv.allocate_slots(a, 8)
+    b = make_request("b", list(range(8)))
+    assert not kv.allocate_slots(b, 8)
+    assert kv.block_ids("b") == []
+    assert kv.num_free_blocks == 1
+    assert kv.allocate_slots(b, 4)
+
+
+def test_blocks_are_distinct_and_reused():
+    kv = KVCacheManager(num_blocks=4, block_size=BS, enable_prefix_caching=False)
+    a, b = make_request("a", list(range(8))), make_request("b", list(range(8)))
+    assert kv.allocate_slots(a, 8) and kv.allocate_slots(b, 8)
+    assert sorted(kv.block_ids("a") + kv.block_ids("b")) == [0, 1, 2, 3]
+    kv.free(a)
+    c = make_request("c", list(range(8)))
+    assert kv.allocate_slots(c, 8)
+    assert sorted(kv.block_ids("c")) == sorted(set(range(4)) - set(kv.block_ids("b")))
+
+
+def test_prefix_hit_shares_blocks():
+    kv = KVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    a = make_request("a", list(range(10)))  # 2 full blocks + 2 tokens
+    assert admit(kv, a) == 0
+    assert len(a.block_hashes) == 2
+    b = make_request("b", list(range(8)) + [50, 51, 52])
+    assert admit(kv, b) == 8
+    assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
+    assert kv.block_ids("b")[2] != kv.block_ids("a")[2]
+    assert b.block_hashes[:2] == a.block_hashes
+    # shared blocks stay held while one owner remains
+    free_before = kv.num_free_blocks
+    kv.free(a)
+    assert kv.num_free_blocks == free_before + 1  # only a's private tail block
+    assert kv.prefix_cache_queries == 21
+    assert kv.prefix_cache_hits == 8
+
+
+def test_differing_block_breaks_the_chain():
+    kv = KVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    admit(kv, make_request("a", list(range(12)) + [99]))
+    # second block differs: the third block (equal tokens) must not hit, its parent differs
+    prompt = list(range(4)) + [70, 71, 72, 73] + list(range(8, 12)) + [99]
+    assert kv.get_computed_blocks(make_request("b", prompt)) == 4
+    # first block differs: nothing hits
+    assert kv.get_computed_blocks(make_request("c", [1] + list(range(1, 12)) + [99])) == 0
+
+
+def test_last_token_is_always_computed():
+    kv = KVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    admit(kv, make_request("a", list(range(8))))
+    # the whole 8-token prompt is cached, but one token must be computed to sample from
+    b = make_request("b", list(range(8)))
+    assert kv.get_computed_blocks(b) == 4
+    assert kv.get_computed_blocks(make_request("c", list(range(9)))) == 8
+
+
+def test_generated_tokens_become_cached():
+    kv = KVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    a = make_request("a", list(range(6)))
+    admit(kv, a)
+    assert len(a.block_hashes) == 1
+    for token in (6, 7, 8):  # decode: each new token is computed in the next step
+        a.append_output_token(token)
+        assert kv.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+        kv.cache_computed_blocks(a)
+    assert len(a.block_hashes) == 2
+    kv.free(a)
+    assert kv.get_computed_blocks(make_request("b", list(range(10)))) == 8
+
+
+def test_hit_revives_an_evictable_block():
+    kv = KVCacheManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    a = make_request("a", list(range(9)))
+    admit(kv, a)
+    kv.free(a)
+    assert kv.num_free_blocks == 4 and kv.usage == 0.0
+    b = make_request("b", list(range(9)))
+    assert admit(kv, b) == 8
+    assert kv.num_free_blocks == 1
+    assert kv.usage == 3 / 4
+
+
+def test_lru_eviction_of_cached_free_blocks():
+    kv = KVCacheManager(num_blocks=4, block_size=BS, enable_prefix_caching=True)
+    a = make_request("a", list(range(100, 104)) + [1])  # 1 cached block + 1 private
+    b = make_request("b", list(range(200, 204)) + [1])
+    admit(kv, a)
+    admit(kv, b)
+    kv.free(a)  # a's blocks freed first: least recently used
+    kv.free(b)
+    assert kv.num_free_blocks == 4
+    # two fresh blocks: the unhashed tail blocks go first, no cached block is evicted
+    c = make_request("c", list(range(300, 308)))
+    assert kv.allocate_slots(c, 8)
+    assert kv.get_computed_blocks(make_request("a2", list(range(100, 104)) + [2])) == 4
+    assert kv.get_computed_blocks(make_request("b2", list(range(200, 204)) + [2])) == 4
+    # one more block evicts a's (older) cached block, b's stays
+    c.num_computed_tokens = 8
+    assert kv.allocate_slots(c, 1)
+    assert kv.get_computed_blocks(make_request("a3", list(range(100, 104)) + [2])) == 0
+    assert kv.get_computed_blocks(make_request("b3", list(range(200, 204)) + [2])) == 4
+
+
+def test_reset_prefix_cache():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    a = make_request("a", list(range(9)))
+    admit(kv, a)
+    assert not kv.reset_prefix_cache()
+    kv.free(a)
+    assert kv.get_computed_blocks(make_request("b", list(range(9)))) == 8
+    assert kv.reset_prefix_cache()
+    assert kv.get_computed_blocks(make_request("c", list(range(9)))) == 0
+    assert kv.num_free_blocks == 8
+
+
+def test_prefix_caching_disabled():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    a = make_request("a", list(range(9)))
+    admit(kv, a)
+    kv.free(a)
+    assert kv.get_computed_blocks(make_request("b", list(range(9)))) == 0
+    assert a.block_hashes == []
+    assert kv.prefix_cache_queries == 0
