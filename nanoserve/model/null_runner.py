@@ -1,0 +1,58 @@
+"""NullRunner: a model-free runner that answers every scheduled request at once.
+
+It lets the IPC benchmark and the client tests exercise scheduling, the wire and the client layer
+without paying for a forward pass. Each sampling request gets one deterministic token per step.
+"""
+
+from __future__ import annotations
+
+from nanoserve.config import EngineOptions
+from nanoserve.core.batch import RunnerOutput, SchedulerOutput
+
+NULL_VOCAB_SIZE = 49152
+NULL_MAX_MODEL_LEN = 8192
+_FIRST_ORDINARY_TOKEN = 3  # ids 0-2 are unk/bos/eos in the bundled tokenizer
+
+
+class NullRunner:
+    RPC_METHODS = ("describe",)
+
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        self.vocab_size = NULL_VOCAB_SIZE
+        self.max_model_len = NULL_MAX_MODEL_LEN
+        self.dtype_name = "none"
+        self.eos_token_id = 2
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.options.block_size * 64
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+
+    def free_kv_cache(self) -> None:
+        pass
+
+    def offload_weights(self) -> None:
+        pass
+
+    def drop_weights(self) -> None:
+        pass
+
+    def restore_weights(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return "null runner"
+
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        ids, tokens = [], []
+        span = self.vocab_size - _FIRST_ORDINARY_TOKEN
+        for chunk in scheduled.chunks:
+            if chunk.samples:
+                ids.append(chunk.request.request_id)
+                tokens.append(_FIRST_ORDINARY_TOKEN + chunk.request.num_tokens % span)
+        return RunnerOutput(ids, tokens, [None] * len(ids))
+
+    def save_state(self, path: str) -> None:
+        raise ValueError("The null runner has no weights to save.")

@@ -1,0 +1,151 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass over the paged KV cache and samples.
+
+Batch layout: the scheduled chunks' new tokens, flattened request after request. Index arrays are
+built in numpy and moved to the device once per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+from nanoserve.config import EngineOptions
+from nanoserve.core.batch import RunnerOutput, SchedulerOutput
+from nanoserve.model.attention import allocate_kv_cache, build_attention_metadata, kv_cache_bytes_per_block
+from nanoserve.model.loader import load_model, load_model_config, resolve_dtype, resolve_model_path
+from nanoserve.model.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class ModelRunner:
+    RPC_METHODS = ("describe", "num_parameters")
+
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        self.device = resolve_device(options.device)
+        self.model_path = resolve_model_path(options.model)
+        self.config = load_model_config(self.model_path)
+        self.dtype = resolve_dtype(options.dtype, self.device)
+        self.dtype_name = str(self.dtype).removeprefix("torch.")
+        self.vocab_size = self.config.vocab_size
+        self.max_model_len = self.config.max_position_embeddings
+        self.eos_token_id = self.config.eos_token_id
+        start = time.perf_counter()
+        self.model = self._load()
+        logger.info(
+            "loaded %s (%s) in %.1f s", self.config.name, self.dtype_name, time.perf_counter() - start
+        )
+        self.sampler = Sampler(options.seed)
+        self.kv_caches: list[torch.Tensor] = []
+        self._offloaded: dict[str, torch.Tensor] | None = None
+
+    def _load(self) -> torch.nn.Module:
+        return load_model(self.model_path, self.config, self.dtype, self.device).eval()
+
+    # -- KV cache and memory ------------------------------------------------------------------
+
+    def kv_cache_bytes_per_block(self) -> int:
+        c = self.config
+        return kv_cache_bytes_per_block(
+            c.num_layers, self.options.block_size, c.num_kv_heads, c.head_dim, self.dtype
+        )
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        c = self.config
+        self.kv_caches = allocate_kv_cache(
+            c.num_layers,
+            num_blocks,
+            self.options.block_size,
+            c.num_kv_heads,
+            c.head_dim,
+            self.dtype,
+            self.device,
+        )
+
+    def free_kv_cache(self) -> None:
+        self.kv_caches = []
+
+    def offload_weights(self) -> None:
+        """Move weights to host memory (a no-op copy on CPU) so the device is free while asleep."""
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+
+    def drop_weights(self) -> None:
+        self.model = None
+
+    def restore_weights(self) -> None:
+        if self.model is None:
+            self.model = self._load()
+        elif self.device.type != "cpu":
+            self.model.to(self.device)
+
+    # -- worker RPCs --------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        return {"model": self.config.name, "dtype": self.dtype_name, "device": str(self.device)}
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def save_state(self, path: str) -> None:
+        """Write the loaded weights as one safetensors file (there is one shard: no tensor parallelism)."""
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
+        save_file(state, os.path.join(path, "model-rank-0.safetensors"))
+
+    # -- the step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        chunks = scheduled.chunks
+        query_lens = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(chunks))
+        starts = np.fromiter(
+            (c.request.num_computed_tokens for c in chunks), dtype=np.int64, count=len(chunks)
+        )
+        seq_lens = starts + query_lens
+        num_tokens = int(query_lens.sum())
+
+        if num_tokens == len(chunks):  # decode-only: one token per request
+            token_ids = [c.request.all_token_ids[c.request.num_computed_tokens] for c in chunks]
+            positions = starts
+        else:
+            token_ids = []
+            for c in chunks:
+                first = c.request.num_computed_tokens
+                token_ids.extend(c.request.all_token_ids[first : first + c.num_new_tokens])
+            cu_query = np.cumsum(query_lens) - query_lens
+            positions = np.arange(num_tokens) - np.repeat(cu_query - starts, query_lens)
+
+        max_blocks = max(len(c.block_ids) for c in chunks)
+        block_table = np.zeros((len(chunks), max_blocks), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            block_table[i, : len(c.block_ids)] = c.block_ids
+
+        attn = build_attention_metadata(
+            query_lens, seq_lens, block_table, self.options.block_size, self.device
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        positions_t = torch.from_numpy(positions).to(self.device, non_blocking=True)
+        hidden = self.model(input_ids, positions_t, self.kv_caches, attn)
+
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        if not sampling:
+            return RunnerOutput([], [], [])
+        last_rows = torch.from_numpy(np.cumsum(query_lens)[sampling] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, last_rows)).float().cpu()
+        requests = [chunks[i].request for i in sampling]
+        token_list, logprobs = self.sampler.sample(logits, requests)
+        return RunnerOutput([r.request_id for r in requests], token_list, logprobs)

@@ -1,0 +1,192 @@
+"""EngineCore end to end on tiny random-weight Llamas: greedy ids equal transformers' token for token,
+under batching, chunked prefill, prefix-cache hits and preemption; bad requests and utilities."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanoserve.config import EngineOptions
+from nanoserve.core.engine_core import EngineCore
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.wire.messages import EngineCoreRequest, FinishReason
+
+MAX_TOKENS = 10
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+            )
+            results.append(out[0, len(prompt) :].tolist())
+    return results
+
+
+def make_prompts(num: int, seed: int = 0, lengths=(3, 17, 40, 9, 28, 5)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(lengths[i % len(lengths)])] for i in range(num)]
+
+
+def request(rid: str, prompt: list[int], **params) -> EngineCoreRequest:
+    params.setdefault("temperature", 0.0)
+    params.setdefault("max_tokens", MAX_TOKENS)
+    params.setdefault("ignore_eos", True)
+    return EngineCoreRequest(rid, prompt, SamplingParams(**params), eos_token_id=2)
+
+
+def run_to_completion(engine: EngineCore, max_steps: int = 2000) -> dict[str, list]:
+    """Step until idle; returns request id -> [token ids, finish reason, error, num_cached_tokens]."""
+    results: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return results
+        for out in engine.step().outputs:
+            entry = results.setdefault(out.request_id, [[], None, None, 0])
+            entry[0].extend(out.new_token_ids)
+            entry[3] = max(entry[3], out.num_cached_tokens)
+            if out.finish_reason is not None:
+                entry[1], entry[2] = out.finish_reason, out.error
+        engine.post_step()
+    raise AssertionError("engine did not go idle")
+
+
+def tiny_engine(model_dir, **options) -> EngineCore:
+    options.setdefault("dtype", "float32")
+    options.setdefault("block_size", 4)
+    options.setdefault("num_kv_blocks", 256)
+    return EngineCore(EngineOptions(model=str(model_dir), **options))
+
+
+def test_batched_greedy_matches_transformers(tiny_model_dir):
+    prompts = make_prompts(6)
+    engine = tiny_engine(tiny_model_dir)
+    for i, p in enumerate(prompts):
+        engine.add_request(request(str(i), p))
+    results = run_to_completion(engine)
+    expected = hf_greedy(tiny_model_dir, prompts)
+    for i in range(len(prompts)):
+        assert results[str(i)][0] == expected[i], f"prompt {i}"
+        assert results[str(i)][1] == FinishReason.LENGTH
+
+
+def test_chunked_prefill_and_preemption_keep_outputs_exact(tiny_gqa_dir):
+    prompts = make_prompts(6, seed=1)
+    expected = hf_greedy(tiny_gqa_dir, prompts)
+    # 7 tokens per step forces every longer prompt to be prefilled in chunks
+    engine = tiny_engine(tiny_gqa_dir, max_num_batched_tokens=7)
+    for i, p in enumerate(prompts):
+        engine.add_request(request(str(i), p))
+    chunked = run_to_completion(engine)
+    assert [chunked[str(i)][0] for i in range(6)] == expected
+
+    # 16 blocks of 4 tokens cannot hold all six sequences at once: the newest are preempted
+    engine = tiny_engine(tiny_gqa_dir, num_kv_blocks=16, max_num_batched_tokens=64)
+    for i, p in enumerate(prompts):
+        engine.add_request(request(str(i), p))
+    preemptions = 0
+    results: dict[str, list[int]] = {}
+    while engine.has_work():
+        outputs = engine.step()
+        preemptions = max(preemptions, outputs.scheduler_stats.num_preemptions)
+        for out in outputs.outputs:
+            results.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert preemptions > 0
+    assert [results[str(i)] for i in range(6)] == expected
+
+
+def test_prefix_cache_hit_gives_same_tokens(tiny_gqa_dir):
+    shared = make_prompts(1, seed=2, lengths=(24,))[0]
+    first, second = shared + [11, 12, 13], shared + [21, 22]
+    expected = hf_greedy(tiny_gqa_dir, [first, second])
+    engine = tiny_engine(tiny_gqa_dir)
+    engine.add_request(request("a", first))
+    a = run_to_completion(engine)["a"]
+    engine.add_request(request("b", second))
+    b = run_to_completion(engine)["b"]
+    assert a[0] == expected[0] and b[0] == expected[1]
+    assert a[3] == 0 and b[3] == 24, "the 6 shared full blocks should come from the prefix cache"
+
+
+def test_bad_requests_finish_with_error_and_engine_keeps_serving(tiny_gqa_dir):
+    engine = tiny_engine(tiny_gqa_dir, max_model_len=64)
+    engine.add_request(request("empty", []))
+    engine.add_request(request("long", list(range(3, 80))))
+    engine.add_request(request("vocab", [5, 10**6]))
+    engine.add_request(request("ok", [5, 6, 7]))
+    engine.add_request(request("ok", [5, 6, 7]))
+    results = run_to_completion(engine)
+    for rid in ("empty", "long", "vocab"):
+        assert results[rid][1] == FinishReason.ERROR and results[rid][2], rid
+    assert "longer than the maximum model length" in results["long"][2]
+    assert results["ok"][1] == FinishReason.LENGTH and len(results["ok"][0]) == MAX_TOKENS
+
+
+def test_max_tokens_is_clamped_to_the_context(tiny_gqa_dir):
+    engine = tiny_engine(tiny_gqa_dir, max_model_len=32)
+    engine.add_request(request("r", list(range(3, 23)), max_tokens=None))
+    tokens, reason, _, _ = run_to_completion(engine)["r"]
+    assert len(tokens) == 12 and reason == FinishReason.LENGTH
+
+
+def test_abort_frees_blocks(tiny_gqa_dir):
+    engine = tiny_engine(tiny_gqa_dir)
+    free_at_start = engine.scheduler.get_stats().kv_cache_usage
+    engine.add_request(request("r", list(range(3, 40)), max_tokens=200))
+    engine.step()
+    assert engine.scheduler.get_stats().kv_cache_usage > free_at_start
+    engine.abort_requests(["r"])
+    outputs = engine.step().outputs
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("r", FinishReason.ABORT)]
+    assert engine.scheduler.get_stats().kv_cache_usage == free_at_start
+    assert not engine.has_work()
+
+
+def test_utilities_are_allow_listed(tiny_gqa_dir):
+    engine = tiny_engine(tiny_gqa_dir)
+    assert engine.call_utility("echo", ("hi",)) == "hi"
+    assert engine.call_utility("reset_prefix_cache", ()) is True
+    assert engine.call_utility("collective_rpc", ("num_parameters",))[0] > 0
+    with pytest.raises(ValueError, match="not an engine utility"):
+        engine.call_utility("shutdown", ())
+    with pytest.raises(ValueError, match="not a worker RPC"):
+        engine.call_utility("collective_rpc", ("__init__",))
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_abort_and_wake_up(tiny_gqa_dir, level):
+    prompt = make_prompts(1, seed=3)[0]
+    engine = tiny_engine(tiny_gqa_dir)
+    engine.add_request(request("before", prompt, max_tokens=50))
+    engine.step()
+    engine.call_utility("sleep", (level, "abort"))
+    assert engine.call_utility("is_sleeping", ())
+    outputs = engine.step().outputs
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("before", FinishReason.ABORT)]
+    engine.add_request(request("during", prompt))
+    assert not engine.step().outputs, "a sleeping engine admits nothing"
+    engine.call_utility("wake_up", ())
+    assert not engine.call_utility("is_sleeping", ())
+    assert run_to_completion(engine)["during"][0] == hf_greedy(tiny_gqa_dir, [prompt])[0]
+
+
+def test_sleep_wait_completes_once_running_requests_finish(tiny_gqa_dir):
+    engine = tiny_engine(tiny_gqa_dir)
+    engine.add_request(request("running", [5, 6, 7]))
+    first = engine.step().outputs
+    future = engine.call_utility("sleep", (1, "wait"))
+    assert not future.done()
+    engine.add_request(request("held", [5, 6, 7]))
+    results = run_to_completion(engine)
+    assert future.done() and engine.call_utility("is_sleeping", ())
+    assert len(first[0].new_token_ids + results["running"][0]) == MAX_TOKENS and "held" not in results
+    engine.call_utility("wake_up", ())
+    assert len(run_to_completion(engine)["held"][0]) == MAX_TOKENS

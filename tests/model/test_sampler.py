@@ -1,0 +1,116 @@
+"""Sampler behaviour on hand-made logits: greedy, seeds, truncation, penalties, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.core.request import Request
+from nanoserve.model.sampler import Sampler
+from nanoserve.sampling_params import SamplingParams
+
+VOCAB = 50
+
+
+def make_request(rid: str = "r", prompt=(1, 2, 3), output=(), **params) -> Request:
+    request = Request(
+        rid, list(prompt), SamplingParams(**params), eos_token_id=2, arrival_time=0.0, max_tokens=100
+    )
+    for t in output:
+        request.append_output_token(t)
+    return request
+
+
+def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    logits = random_logits(3)
+    tokens, logprobs = Sampler(0).sample(logits, [make_request(str(i), temperature=0) for i in range(3)])
+    assert tokens == logits.argmax(-1).tolist()
+    assert logprobs == [None, None, None]
+
+
+def test_top_k_one_equals_greedy():
+    logits = random_logits(4, seed=1)
+    tokens, _ = Sampler(0).sample(logits, [make_request(str(i), temperature=1.3, top_k=1) for i in range(4)])
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_seeded_request_is_reproducible_whatever_the_batch():
+    logits = random_logits(4, seed=2) * 0.1
+    alone = []
+    request = make_request("seeded", temperature=1.0, seed=1234)
+    for _ in range(8):
+        alone.append(Sampler(0).sample(logits[:1], [request])[0][0])
+    batched = []
+    request = make_request("seeded", temperature=1.0, seed=1234)
+    others = [make_request(f"o{i}", temperature=1.0) for i in range(3)]
+    for step in range(8):
+        batched.append(Sampler(step).sample(logits, [request, *others])[0][0])
+    assert alone == batched
+    assert len(set(alone)) > 1, "sampling at temperature 1 should not be constant"
+
+
+def test_unseeded_sampling_follows_the_distribution():
+    logits = torch.tensor([[0.0, 0.0, float("-inf"), 1.0] + [float("-inf")] * (VOCAB - 4)])
+    sampler = Sampler(0)
+    counts = torch.zeros(VOCAB)
+    for _ in range(2000):
+        counts[sampler.sample(logits, [make_request(temperature=1.0)])[0][0]] += 1
+    expected = torch.softmax(logits[0], -1) * 2000
+    assert counts[2] == 0 and counts[4:].sum() == 0
+    assert torch.allclose(counts[:4], expected[:4], atol=80)
+
+
+def test_top_p_and_min_p_cut_the_tail():
+    logits = torch.full((1, VOCAB), -10.0)
+    logits[0, 5], logits[0, 6], logits[0, 7] = 5.0, 4.0, 0.0
+    sampler = Sampler(0)
+    top_p = {sampler.sample(logits, [make_request(temperature=1.0, top_p=0.5)])[0][0] for _ in range(200)}
+    assert top_p == {5}
+    min_p = {sampler.sample(logits, [make_request(temperature=1.0, min_p=0.2)])[0][0] for _ in range(300)}
+    assert min_p == {5, 6}
+
+
+def test_penalties_push_away_repeated_tokens():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7] = 1.0
+    logits[0, 8] = 0.9
+    assert Sampler(0).sample(logits, [make_request(temperature=0)])[0] == [7]
+    for params in (dict(frequency_penalty=0.5), dict(presence_penalty=0.5), dict(repetition_penalty=2.0)):
+        tokens, _ = Sampler(0).sample(logits, [make_request(output=(7,), temperature=0, **params)])
+        assert tokens == [8], params
+
+
+def test_repetition_penalty_covers_prompt_tokens():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3] = 1.0
+    logits[0, 9] = 0.8
+    tokens, _ = Sampler(0).sample(
+        logits, [make_request(prompt=(3, 4), temperature=0, repetition_penalty=1.5)]
+    )
+    assert tokens == [9]
+
+
+def test_min_tokens_suppresses_eos_and_stop_tokens():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 2] = 10.0  # eos
+    logits[0, 11] = 9.0
+    logits[0, 12] = 8.0
+    request = make_request(temperature=0, min_tokens=2, stop_token_ids=[11])
+    assert Sampler(0).sample(logits, [request])[0] == [12]
+    request = make_request(output=(20, 21), temperature=0, min_tokens=2, stop_token_ids=[11])
+    assert Sampler(0).sample(logits, [request])[0] == [2]
+
+
+def test_logprobs_report_sampled_and_top_tokens():
+    logits = random_logits(2, seed=3)
+    tokens, logprobs = Sampler(0).sample(
+        logits, [make_request("a", temperature=0, logprobs=3), make_request("b")]
+    )
+    expected = torch.log_softmax(logits[0], -1)
+    (sampled, sampled_lp), *top = logprobs[0]
+    assert sampled == tokens[0] and abs(sampled_lp - expected[sampled].item()) < 1e-5
+    assert [t for t, _ in top] == expected.topk(3).indices.tolist()
+    assert logprobs[1] is None
