@@ -1,0 +1,78 @@
+"""LLMEngine: the synchronous frontend engine. `add_request` tokenizes and validates, `step` runs one
+engine step through the client and turns its outputs into `RequestOutput`s.
+
+It holds three pieces in request order: Processor (prompt -> EngineCoreRequest), the engine-core client
+(in this process or a child, chosen by `options.multiprocess_mode`), OutputProcessor (outputs -> text).
+"""
+
+from __future__ import annotations
+
+from nanoserve.config import EngineOptions
+from nanoserve.engine.core_client.base import EngineCoreClient
+from nanoserve.engine.exceptions import EngineDeadError
+from nanoserve.engine.output_processor import OutputProcessor
+from nanoserve.engine.processor import Processor, PromptType
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, options: EngineOptions) -> None:
+        from nanoserve.model.loader import load_tokenizer, resolve_model_path
+
+        self.options = options
+        self.tokenizer = load_tokenizer(resolve_model_path(options.model))
+        self.engine_core = EngineCoreClient.make_client(options.multiprocess_mode, False, options)
+        ready = self.engine_core.ready_response
+        self.max_model_len = ready.max_model_len
+        self.processor = Processor(
+            self.tokenizer,
+            ready.max_model_len,
+            self.tokenizer.eos_token_id,
+            vocab_size=min(len(self.tokenizer), ready.vocab_size),
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._is_shut_down = False
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+        """Validate and queue a request; ValueError (and nothing queued) when it is invalid or its id is live."""
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"Request id {request_id!r} is already running.")
+        text, request = self.processor.process(request_id, prompt, params or SamplingParams())
+        for engine_request in self.output_processor.add_request(request, text):
+            self.engine_core.add_request(engine_request)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        engine_ids = self.output_processor.abort_requests(request_ids)
+        if engine_ids:
+            self.engine_core.abort_requests(engine_ids)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the outputs (finished or not, cumulative text) it advanced."""
+        if not self.output_processor.has_unfinished_requests():
+            return []
+        engine_outputs = self.engine_core.get_output()
+        if engine_outputs.death is not None:
+            death = engine_outputs.death
+            raise EngineDeadError(f"Engine core {death.engine_rank} died: {death.exc_type}: {death.message}")
+        request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs)
+        if to_abort:
+            self.engine_core.abort_requests(to_abort)
+        return request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        self.engine_core.shutdown()

@@ -1,0 +1,100 @@
+"""Processor: a user's prompt and SamplingParams -> a validated `EngineCoreRequest`.
+
+Everything a request can get wrong is caught here, in the frontend, with a ValueError naming the
+problem, so the engine core only ever sees requests it can serve.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.wire.messages import EngineCoreRequest
+
+PromptType = str | list[int] | dict[str, Any]
+"""Text, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."} (both keys allowed)."""
+
+Conversation = list[dict[str, Any]]
+
+
+class Processor:
+    def __init__(
+        self, tokenizer, max_model_len: int, eos_token_id: int | None, vocab_size: int | None = None
+    ):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Return (prompt text or None, prompt token ids)."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise ValueError(
+                f"A prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}."
+            )
+        if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(
+            f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}."
+        )
+
+    def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True) -> dict[str, Any]:
+        """Apply the tokenizer's chat template; the template writes its own special tokens."""
+        text = self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def process(
+        self, request_id: str, prompt: PromptType, params: SamplingParams
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """Return (prompt text or None, the request for the engine core)."""
+        params.validate()
+        text, prompt_token_ids = self.tokenize(prompt)
+        self._validate_prompt(prompt_token_ids)
+        self._validate_stop_token_ids(params)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=self._fit_max_tokens(params, len(prompt_token_ids)),
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.time(),
+        )
+        return text, request
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("The prompt is empty; it must contain at least one token.")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"The prompt ({len(prompt_token_ids)} tokens) is longer than the maximum model length of "
+                f"{self.max_model_len} tokens minus one generated token; shorten the prompt or raise "
+                "max_model_len."
+            )
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"Prompt token id(s) {bad[:5]} are out of the vocabulary [0, {self.vocab_size})."
+            )
+
+    def _validate_stop_token_ids(self, params: SamplingParams) -> None:
+        bad = [t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are out of the vocabulary [0, {self.vocab_size}).")
+
+    def _fit_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """Clamp max_tokens to the room left in the context; None fills it. Never mutates the caller's params."""
+        room = self.max_model_len - prompt_len
+        if params.max_tokens is not None and params.max_tokens <= room:
+            return params
+        return msgspec.structs.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))

@@ -1,0 +1,119 @@
+"""The `nanoserve` command: `nanoserve generate | serve | bench`.
+
+Each subcommand lives in a module with `register(subparsers)`, which adds its parser and sets
+`func` (called with the parsed args). Engine options are the same flags everywhere: a subcommand calls
+`add_engine_args(parser)` and builds its options with `engine_options_from_args(args)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from nanoserve.config import DTYPES, RUNNERS, EngineOptions
+
+SUBCOMMANDS: dict[str, str] = {
+    "generate": "nanoserve.entrypoints.cli",
+    # "serve": "nanoserve.entrypoints.openai.cli",  (others register here)
+    # "bench": "nanoserve.bench.cli",
+}
+"""Subcommand -> module defining `register(subparsers)`."""
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine option flags; dest names are EngineOptions fields, and an absent flag keeps its default."""
+    group = parser.add_argument_group("engine options")
+    group.add_argument(
+        "--model", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M)"
+    )
+    group.add_argument("--dtype", choices=DTYPES, default=None)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=None)
+    group.add_argument("--max-num-batched-tokens", type=int, default=None)
+    group.add_argument("--block-size", type=int, default=None)
+    group.add_argument("--num-kv-blocks", type=int, default=None)
+    group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    group.add_argument(
+        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None
+    )
+    group.add_argument(
+        "--seed", type=int, default=None, help="engine seed, also the sampling seed of generate"
+    )
+    group.add_argument(
+        "--multiprocess",
+        dest="multiprocess_mode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the engine core in a child process (default: $NANOSERVE_ENABLE_MULTIPROCESSING or off)",
+    )
+    group.add_argument("--device", default=None, help="auto, cpu or cuda")
+    group.add_argument("--num-threads", type=int, default=None)
+    group.add_argument("--runner", choices=RUNNERS, default=None)
+
+
+def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
+    fields = EngineOptions.__dataclass_fields__
+    kwargs = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
+    return EngineOptions(**kwargs)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("generate", help="generate from one prompt, streaming to stdout")
+    parser.add_argument("prompt")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_engine_args(parser)
+    parser.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from nanoserve.engine.llm_engine import LLMEngine
+    from nanoserve.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    engine = LLMEngine(engine_options_from_args(args))
+    try:
+        prompt = args.prompt
+        if args.chat:
+            prompt = engine.processor.render_chat([{"role": "user", "content": args.prompt}])
+        engine.add_request("generate", prompt, params)
+        num_printed = 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                completion = output.outputs[0]
+                if completion.error is not None:
+                    print(f"\nerror: {completion.error}", file=sys.stderr)
+                    return 1
+                sys.stdout.write(completion.text[num_printed:])
+                sys.stdout.flush()
+                num_printed = len(completion.text)
+        sys.stdout.write("\n")
+        return 0
+    finally:
+        engine.shutdown()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoserve", description="A compact LLM inference engine.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module_name in SUBCOMMANDS.values():
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

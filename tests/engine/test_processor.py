@@ -1,0 +1,93 @@
+"""Processor: prompt forms, validation errors, max_tokens fitting."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve.engine.processor import Processor
+from nanoserve.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 32
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture
+def processor(tokenizer):
+    return Processor(tokenizer, MAX_MODEL_LEN, tokenizer.eos_token_id)
+
+
+def test_prompt_forms(processor, tokenizer):
+    ids = tokenizer("Hello world").input_ids
+    assert ids[0] != tokenizer.bos_token_id  # SmolLM2 adds no BOS
+    for prompt, text in [
+        ("Hello world", "Hello world"),
+        (ids, None),
+        ({"prompt_token_ids": ids}, None),
+        ({"prompt": "Hello world"}, "Hello world"),
+    ]:
+        got_text, request = processor.process("r", prompt, SamplingParams())
+        assert got_text == text
+        assert request.prompt_token_ids == ids
+        assert request.request_id == "r"
+        assert request.eos_token_id == tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("prompt", ["", [], {"prompt_token_ids": []}])
+def test_empty_prompt(processor, prompt):
+    with pytest.raises(ValueError, match="empty"):
+        processor.process("r", prompt, SamplingParams())
+
+
+def test_prompt_too_long(processor):
+    with pytest.raises(ValueError, match="longer than the maximum model length of 32"):
+        processor.process("r", [5] * MAX_MODEL_LEN, SamplingParams())
+
+
+def test_max_tokens_clamped_to_context(processor):
+    params = SamplingParams(max_tokens=100, min_tokens=50)
+    _, request = processor.process("r", [5] * 20, params)
+    assert request.sampling_params.max_tokens == 12
+    assert request.sampling_params.min_tokens == 12
+    assert params.max_tokens == 100  # the caller's object is untouched
+    _, request = processor.process("r", [5] * 20, SamplingParams(max_tokens=None))
+    assert request.sampling_params.max_tokens == 12
+    _, request = processor.process("r", [5] * 20, SamplingParams(max_tokens=4))
+    assert request.sampling_params.max_tokens == 4
+
+
+@pytest.mark.parametrize("bad", [-1, 49152, 10**9])
+def test_token_ids_out_of_vocab(processor, bad):
+    with pytest.raises(ValueError, match="out of the vocabulary"):
+        processor.process("r", [5, bad], SamplingParams())
+
+
+def test_stop_token_ids_out_of_vocab(processor):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        processor.process("r", [5], SamplingParams(stop_token_ids=[49152]))
+
+
+def test_invalid_sampling_values(processor):
+    params = SamplingParams()
+    params.temperature = -1.0  # msgspec structs do not re-validate on assignment; the processor does
+    with pytest.raises(ValueError, match="temperature"):
+        processor.process("r", [5], params)
+
+
+def test_bad_prompt_type(processor):
+    with pytest.raises(ValueError, match="prompt"):
+        processor.process("r", 42, SamplingParams())
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        processor.process("r", {"text": "hi"}, SamplingParams())
+
+
+def test_render_chat(processor, tokenizer):
+    prompt = processor.render_chat([{"role": "user", "content": "Hi"}])
+    assert prompt["prompt"].endswith("<|im_start|>assistant\n")
+    assert prompt["prompt_token_ids"] == tokenizer(prompt["prompt"], add_special_tokens=False).input_ids
+    assert prompt["prompt_token_ids"].count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3
