@@ -1,0 +1,227 @@
+"""Paged attention in plain PyTorch: a per-layer KV cache of blocks, gathered per request each step.
+
+Cache layout per layer: [2 (k, v), num_kv_heads, num_blocks, block_size, head_dim]. Gathering a
+request's blocks along dim 2 yields [2, num_kv_heads, num_seqs, context, head_dim] contiguous, which
+is exactly the batched-matmul layout attention wants, so the gather is the only copy of the context.
+
+Requests are split into at most two groups per step, each one attention call per layer:
+- decode (query length 1): batched matmuls with the query heads that share a KV head stacked as rows,
+  so K/V are never repeated for GQA;
+- prefill (longer queries, chunked or not): queries padded to [num_seqs, max_query_len] and one
+  `scaled_dot_product_attention` call with a causal mask.
+Splitting keeps a long prefill from padding every decode in the batch to its length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    """Requests that share one attention call."""
+
+    num_seqs: int
+    max_query_len: int
+    block_index: torch.Tensor
+    """[num_seqs * num_ctx_blocks] block ids, request after request; padding points at a real block."""
+    context_len: int
+    """num_ctx_blocks * block_size: the padded context each request attends over."""
+    mask: torch.Tensor
+    """decode: additive float32 bias [num_seqs, context_len]; prefill: bool [num_seqs, max_query_len, context_len]."""
+    token_index: torch.Tensor | None
+    """[num_seqs * max_query_len] flat token row for each padded query slot; None: the tokens are the
+    whole batch, already in padded order."""
+    out_rows: torch.Tensor | None
+    """[group tokens] rows of the padded output holding real tokens; None: every row is real."""
+    out_index: torch.Tensor | None
+    """[group tokens] flat token rows those outputs go to; None: the whole batch, in order."""
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+    def cached(self, key, build):
+        """Per-step values derived once (by the first layer) and shared by the others."""
+        value = self._cache.get(key)
+        if value is None:
+            value = self._cache[key] = build()
+        return value
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step; built once, shared by all layers."""
+
+    num_tokens: int
+    slot_mapping: torch.Tensor
+    """[num_tokens] cache slot (block * block_size + offset) each new token's K/V is written to."""
+    groups: list[AttentionGroup]
+
+
+def build_attention_metadata(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    block_table = np.asarray(block_table, dtype=np.int64)
+    num_seqs = len(query_lens)
+    num_tokens = int(query_lens.sum())
+    token_starts = np.cumsum(query_lens) - query_lens  # first flat row of each request
+
+    # absolute position and owning request of every new token
+    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+    positions = (
+        seq_lens[seq_of_token]
+        - query_lens[seq_of_token]
+        + (np.arange(num_tokens) - token_starts[seq_of_token])
+    )
+    slots = block_table[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device, non_blocking=True)
+
+    is_decode = query_lens == 1
+    groups = []
+    for members in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
+        if len(members):
+            groups.append(
+                _build_group(
+                    members, num_seqs, query_lens, seq_lens, token_starts, block_table, block_size, to_device
+                )
+            )
+    return AttentionMetadata(num_tokens=num_tokens, slot_mapping=to_device(slots), groups=groups)
+
+
+def _build_group(
+    members, num_seqs_in_batch, query_lens, seq_lens, token_starts, block_table, block_size, to_device
+) -> AttentionGroup:
+    q_lens, s_lens, starts = query_lens[members], seq_lens[members], token_starts[members]
+    num_seqs, max_q = len(members), int(q_lens.max())
+    num_ctx_blocks = int(-(-s_lens.max() // block_size))
+    if block_table.shape[1] < num_ctx_blocks:
+        raise ValueError(f"block_table has {block_table.shape[1]} columns; sequences need {num_ctx_blocks}.")
+    ctx_len = num_ctx_blocks * block_size
+
+    # blocks beyond a request's own are masked out; point them at its first block so ids stay valid
+    blocks = block_table[members, :num_ctx_blocks]
+    is_own = np.arange(num_ctx_blocks)[None, :] * block_size < s_lens[:, None]
+    blocks = np.where(is_own, blocks, blocks[:, :1])
+
+    # query i of a request sees keys 0 .. context_start + i; padded query rows copy the last real row
+    q_idx = np.minimum(np.arange(max_q)[None, :], q_lens[:, None] - 1)  # [num_seqs, max_q]
+    last_key = (s_lens - q_lens)[:, None] + q_idx
+    visible = np.arange(ctx_len)[None, None, :] <= last_key[:, :, None]  # [num_seqs, max_q, ctx_len]
+    mask = np.where(visible[:, 0, :], 0.0, -np.inf).astype(np.float32) if max_q == 1 else visible
+
+    token_index = out_rows = out_index = None
+    if num_seqs < num_seqs_in_batch or bool((q_lens < max_q).any()):
+        token_index = (starts[:, None] + q_idx).reshape(-1)
+        out_rows = np.flatnonzero((np.arange(max_q)[None, :] < q_lens[:, None]).reshape(-1))
+        out_index = token_index[out_rows]
+    return AttentionGroup(
+        num_seqs=num_seqs,
+        max_query_len=max_q,
+        block_index=to_device(blocks.reshape(-1)),
+        context_len=ctx_len,
+        mask=to_device(mask),
+        token_index=None if token_index is None else to_device(token_index),
+        out_rows=None if out_rows is None else to_device(out_rows),
+        out_index=None if out_index is None else to_device(out_index),
+    )
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata
+) -> torch.Tensor:
+    """Write k/v into the cache, attend each token over its request's context.
+
+    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim].
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
+    slots = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
+    slots[0].index_copy_(1, attn.slot_mapping, k.transpose(0, 1))
+    slots[1].index_copy_(1, attn.slot_mapping, v.transpose(0, 1))
+
+    blocks = kv_cache.view(2, num_kv_heads, num_blocks, block_size * head_dim)
+    if len(attn.groups) == 1 and attn.groups[0].out_index is None:
+        return _attend_group(q, blocks, attn.groups[0])
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    for group in attn.groups:
+        out.index_copy_(0, group.out_index, _attend_group(q, blocks, group))
+    return out
+
+
+def _attend_group(q: torch.Tensor, blocks: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = blocks.shape[1]
+    per_kv = num_heads // num_kv_heads
+    num_seqs, max_q, ctx = group.num_seqs, group.max_query_len, group.context_len
+    # [2, num_kv_heads, num_seqs, ctx, head_dim], contiguous: the one copy of the context per layer
+    kv = blocks.index_select(2, group.block_index).view(2, num_kv_heads, num_seqs, ctx, head_dim)
+    if group.token_index is not None:
+        q = q.index_select(0, group.token_index)
+    # [num_seqs, max_q, num_kv_heads, per_kv, head_dim]
+    q = q.view(num_seqs, max_q, num_kv_heads, per_kv, head_dim)
+
+    if group.is_decode:
+        # [num_kv_heads * num_seqs, per_kv, head_dim]: the heads sharing a KV head are the rows
+        q = q.permute(2, 0, 1, 3, 4).reshape(num_kv_heads * num_seqs, per_kv, head_dim)
+        k = kv[0].view(num_kv_heads * num_seqs, ctx, head_dim)
+        v = kv[1].view(num_kv_heads * num_seqs, ctx, head_dim)
+        bias = group.cached(("bias", q.dtype), lambda: group.mask.to(q.dtype).view(1, num_seqs, 1, ctx))
+        scores = torch.bmm(q, k.transpose(1, 2)).view(num_kv_heads, num_seqs, per_kv, ctx)
+        probs = torch.softmax(scores.mul_(1.0 / math.sqrt(head_dim)).add_(bias), dim=-1)
+        out = torch.bmm(probs.view(-1, per_kv, ctx), v)  # [num_kv_heads * num_seqs, per_kv, head_dim]
+        return out.view(num_kv_heads, num_seqs, per_kv * head_dim).transpose(0, 1).reshape(num_seqs, -1)
+
+    # rows ordered (query, head-in-group) so each mask row repeats per_kv times
+    q = q.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, max_q * per_kv, head_dim)
+    # additive, so SDPA does not convert a boolean mask again in every layer
+    mask = group.cached(("mask", per_kv, q.dtype), lambda: _additive_mask(group.mask, per_kv, q.dtype))
+    out = F.scaled_dot_product_attention(q, kv[0].transpose(0, 1), kv[1].transpose(0, 1), attn_mask=mask)
+    # [num_seqs, num_kv_heads, max_q, per_kv, head_dim] -> [num_seqs * max_q, num_heads * head_dim]
+    out = (
+        out.view(num_seqs, num_kv_heads, max_q, per_kv, head_dim)
+        .transpose(1, 2)
+        .reshape(num_seqs * max_q, -1)
+    )
+    return out if group.out_rows is None else out.index_select(0, group.out_rows)
+
+
+def _additive_mask(visible: torch.Tensor, per_kv: int, dtype: torch.dtype) -> torch.Tensor:
+    """[num_seqs, max_q, ctx] bool -> [num_seqs, 1, max_q * per_kv, ctx] with 0 / -inf, rows (query, head)."""
+    visible = visible.repeat_interleave(per_kv, dim=1).unsqueeze(1)
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+        ~visible, float("-inf")
+    )

@@ -1,0 +1,259 @@
+"""The paged Llama forward against transformers on tiny random models, fp32.
+
+Each step is scheduled like the engine does it: several requests in one flat batch, prompts possibly
+split into chunks, decodes fed back with the greedy token, blocks handed out in shuffled order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nanoserve.model.attention import allocate_kv_cache, build_attention_metadata, kv_cache_bytes_per_block
+from nanoserve.model.loader import load_model, load_model_config
+
+BLOCK_SIZE = 4
+ATOL = 1e-4
+
+
+class PagedDriver:
+    """Runs scheduled steps through the model, keeping every logit row it computed per sequence."""
+
+    def __init__(
+        self,
+        model,
+        prompts: list[list[int]],
+        num_blocks: int = 64,
+        seed: int = 0,
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.kv_caches = allocate_kv_cache(
+            cfg.num_layers,
+            num_blocks,
+            BLOCK_SIZE,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            model.embed_tokens.weight.dtype,
+            torch.device("cpu"),
+        )
+        self.free_blocks = list(np.random.default_rng(seed).permutation(num_blocks))
+        self.blocks: list[list[int]] = [[] for _ in prompts]
+        self.tokens = [list(p) for p in prompts]
+        self.num_computed = [0] * len(prompts)
+        self.logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+
+    def step(self, schedule: dict[int, int]) -> None:
+        """schedule: sequence index -> number of its next tokens to run this step."""
+        seq_ids = list(schedule)
+        query_lens = np.array([schedule[s] for s in seq_ids])
+        seq_lens = np.array([self.num_computed[s] + schedule[s] for s in seq_ids])
+        for s, n in zip(seq_ids, seq_lens, strict=True):
+            while len(self.blocks[s]) * BLOCK_SIZE < n:
+                self.blocks[s].append(self.free_blocks.pop())
+        block_table = np.zeros((len(seq_ids), max(len(self.blocks[s]) for s in seq_ids) + 1), dtype=np.int32)
+        for row, s in enumerate(seq_ids):
+            block_table[row, : len(self.blocks[s])] = self.blocks[s]
+        ids = [
+            t
+            for s in seq_ids
+            for t in self.tokens[s][self.num_computed[s] : self.num_computed[s] + schedule[s]]
+        ]
+        positions = [
+            p for s in seq_ids for p in range(self.num_computed[s], self.num_computed[s] + schedule[s])
+        ]
+        attn = build_attention_metadata(query_lens, seq_lens, block_table, BLOCK_SIZE, torch.device("cpu"))
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, attn)
+            logits = self.model.compute_logits(hidden)
+        assert logits.dtype == torch.float32 and logits.shape == (len(ids), self.model.config.vocab_size)
+        start = 0
+        for s, n in zip(seq_ids, query_lens, strict=True):
+            self.logits[s].extend(logits[start : start + n])
+            start += n
+            self.num_computed[s] += int(n)
+            if self.num_computed[s] == len(self.tokens[s]):
+                self.tokens[s].append(int(self.logits[s][-1].argmax()))
+
+    def check_against(self, hf_model) -> None:
+        for s, rows in enumerate(self.logits):
+            with torch.inference_mode():
+                ref = hf_model(torch.tensor([self.tokens[s][: len(rows)]])).logits[0]
+            torch.testing.assert_close(torch.stack(rows), ref, atol=ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    from transformers import LlamaForCausalLM as HFLlama
+
+    path = str(tiny_model_dir)
+    ours = load_model(path, load_model_config(path), torch.float32, torch.device("cpu"))
+    ref = HFLlama.from_pretrained(path, dtype=torch.float32).eval()
+    return ours, ref
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 49152, n).tolist() for n in lengths]
+
+
+def test_batched_prefill_then_decode(models):
+    ours, ref = models
+    lengths = [5, 1, 11, 8]
+    driver = PagedDriver(ours, _prompts(lengths))
+    driver.step({i: n for i, n in enumerate(lengths)})  # one prefill batch of uneven prompts
+    for _ in range(4):
+        driver.step({i: 1 for i in range(len(lengths))})  # decode-only steps
+    driver.check_against(ref)
+
+
+def test_chunked_prefill_mixed_with_decode(models):
+    ours, ref = models
+    driver = PagedDriver(ours, _prompts([13, 6, 3], seed=1))
+    driver.step({0: 7, 1: 6})  # first chunk of prompt 0, all of prompt 1
+    driver.step({1: 1, 0: 6, 2: 3})  # a decode, the rest of prompt 0, a new prompt: both groups at once
+    driver.step({0: 1, 1: 1, 2: 1})
+    driver.step({2: 1, 0: 1})
+    driver.check_against(ref)
+
+
+def test_uniform_prefill_then_single_sequence_decode(models):
+    ours, ref = models
+    driver = PagedDriver(ours, _prompts([6, 6], seed=2))
+    driver.step({0: 6, 1: 6})  # equal lengths: the no-padding path
+    for _ in range(3):
+        driver.step({1: 1})
+    driver.check_against(ref)
+
+
+def test_kv_cache_size():
+    caches = allocate_kv_cache(3, 5, 4, 2, 8, torch.bfloat16, torch.device("cpu"))
+    assert len(caches) == 3
+    assert sum(c.numel() * c.element_size() for c in caches) == 5 * kv_cache_bytes_per_block(
+        3, 4, 2, 8, torch.bfloat16
+    )
+
+
+def test_qwen2_with_qkv_bias(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    ref = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=49152,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+    ).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.2)
+    ref.save_pretrained(tmp_path)
+    config = load_model_config(str(tmp_path))
+    assert config.architecture == "Qwen2ForCausalLM" and config.attention_bias and not config.o_proj_bias
+    driver = PagedDriver(
+        load_model(str(tmp_path), config, torch.float32, torch.device("cpu")), _prompts([7, 3])
+    )
+    driver.step({0: 7, 1: 3})
+    driver.step({0: 1, 1: 1})
+    driver.check_against(ref)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 16,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+        },
+    ],
+)
+def test_rope_scaling_matches_transformers(rope):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from nanoserve.model.config import ModelConfig
+    from nanoserve.model.llama import rope_inv_freq
+
+    hf = dict(
+        vocab_size=10,
+        hidden_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=16,
+        max_position_embeddings=1024,
+        rope_theta=50000.0,
+        rope_scaling=dict(rope),
+    )
+    ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](LlamaConfig(**hf), torch.device("cpu"))
+    inv_freq, factor = rope_inv_freq(ModelConfig.from_hf({**hf, "model_type": "llama"}, "x"))
+    torch.testing.assert_close(inv_freq, ref_inv_freq.float(), atol=0, rtol=1e-6)
+    assert factor == pytest.approx(ref_factor)
+
+
+def test_attention_metadata_groups():
+    block_table = np.array([[3, 1, 0], [2, 5, 4], [6, 0, 0]], dtype=np.int32)
+    decode = build_attention_metadata(
+        np.array([1, 1, 1]), np.array([5, 9, 2]), block_table, 4, torch.device("cpu")
+    )
+    assert decode.slot_mapping.tolist() == [1 * 4 + 0, 4 * 4 + 0, 6 * 4 + 1]
+    (group,) = decode.groups
+    assert group.is_decode and group.token_index is None and group.context_len == 12
+    # a request's blocks past its length point at its first block (masked out)
+    assert group.block_index.view(3, 3).tolist() == [[3, 1, 3], [2, 5, 4], [6, 6, 6]]
+
+    mixed = build_attention_metadata(
+        np.array([3, 1, 2]), np.array([3, 9, 6]), block_table, 4, torch.device("cpu")
+    )
+    assert mixed.num_tokens == 6 and [g.is_decode for g in mixed.groups] == [True, False]
+    assert mixed.groups[0].out_index.tolist() == [3]
+    prefill = mixed.groups[1]
+    assert prefill.token_index.tolist() == [0, 1, 2, 4, 5, 5] and prefill.out_index.tolist() == [
+        0,
+        1,
+        2,
+        4,
+        5,
+    ]
+    # request 2 has 4 cached tokens: its queries see keys 0..4 and 0..5
+    assert prefill.mask[1, :2, :7].tolist() == [[True] * 5 + [False] * 2, [True] * 6 + [False]]
+
+
+def test_bf16_prepacked_linears_match_plain(tiny_gqa_dir):
+    from nanoserve.model.llama import Linear, cpu_prepack_supported
+
+    path = str(tiny_gqa_dir)
+    model = load_model(path, load_model_config(path), torch.bfloat16, torch.device("cpu"))
+    if not cpu_prepack_supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this CPU has no native bf16: weights are not pre-packed")
+    assert model.packed_embed is not None
+    packed = PagedDriver(model, _prompts([9, 4], seed=3))
+    packed.step({0: 9, 1: 4})
+    packed.step({0: 1, 1: 1})
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.packed = None
+    model.packed_embed = None
+    plain = PagedDriver(model, _prompts([9, 4], seed=3))
+    plain.step({0: 9, 1: 4})
+    plain.step({0: 1, 1: 1})
+    for a, b in zip(packed.logits, plain.logits, strict=True):
+        torch.testing.assert_close(torch.stack(a), torch.stack(b), atol=0.05, rtol=0.02)
