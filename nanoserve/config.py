@@ -60,7 +60,9 @@ class EngineOptions:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}.")
         if self.engine_start_method not in START_METHODS:
-            raise ValueError(f"engine_start_method must be one of {START_METHODS}, got {self.engine_start_method!r}.")
+            raise ValueError(
+                f"engine_start_method must be one of {START_METHODS}, got {self.engine_start_method!r}."
+            )
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}.")
         if self.shutdown_timeout < 0:

@@ -49,8 +49,8 @@ class EngineDeadError(Exception):
             return f"signal {-self.exit_code}"
 
     def __str__(self) -> str:
-        if self.base_message is not None and self.engine_rank is None and self.exc_type is None:
-            return self.base_message
+        if self.engine_rank is None and self.exc_type is None and self.exit_code is None:
+            return self.base_message or "Engine core is dead; see the engine's log for the cause."
         who = "Engine core" if self.engine_rank is None else f"Engine core {self.engine_rank}"
         parts = [self.base_message or f"{who} is dead"]
         if self.signal is not None:

@@ -1,0 +1,1 @@
+"""Benchmarks: `nanoserve bench ipc` (the process boundary) and friends."""

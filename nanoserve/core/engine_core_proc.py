@@ -1,0 +1,501 @@
+"""EngineCoreProc: the engine core in a child process, served over ZMQ.
+
+Sockets (the frontend binds both, this process connects):
+  input   DEALER, identity = rank as 2 bytes little-endian. Receives `[request_type, *payload]` from the
+          frontend's ROUTER. At start-up it sends the other way: one `EngineHandshakePhase` per phase
+          (started, loading_weights, sizing_kv_cache), then `[phase "ready", EngineCoreReadyResponse]`.
+  output  PUSH. Sends one encoded `EngineCoreOutputs` per message to the frontend's PULL.
+Threads: the input thread receives and decodes into `input_queue`; the main thread runs the busy loop
+(drain inputs, step while there is work); the output thread encodes and sends, so (de)serialization
+overlaps the model step.
+Failure: any exception in the busy loop (or during start-up) sends `EngineCoreOutputs(death=...)`, then
+the single frame `ENGINE_CORE_DEAD`, flushes, and exits 1. SIGTERM/SIGINT: stop admitting, drain
+in-flight requests for `shutdown_timeout` seconds, abort the rest, exit 0. If the frontend process
+dies, this one follows it (parent-death signal, plus a thread that notices re-parenting).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import ctypes
+import gc
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from typing import Any
+
+import msgspec
+import zmq
+
+from nanoserve.config import EngineOptions
+from nanoserve.wire.codec import MsgpackDecoder, MsgpackEncoder
+from nanoserve.wire.messages import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReadyResponse,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineCoreUtilityRequest,
+    EngineDeathRecord,
+    EngineHandshakePhase,
+    FinishReason,
+    UtilityOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+PARENT_POLL_INTERVAL_S = 0.5
+OUTPUT_LINGER_MS = 4000
+TRACEBACK_TAIL_LINES = 25
+
+_WAKEUP = object()  # input-queue sentinel: re-check the shutdown flag
+_STOP = object()  # output-queue sentinel: flush and end the output thread
+
+
+def engine_identity(engine_rank: int) -> bytes:
+    return engine_rank.to_bytes(2, "little")
+
+
+def death_record(engine_rank: int, exc: BaseException) -> EngineDeathRecord:
+    tail = "".join(traceback.format_exception(exc)).splitlines()[-TRACEBACK_TAIL_LINES:]
+    return EngineDeathRecord(engine_rank, type(exc).__name__, str(exc), "\n".join(tail))
+
+
+class EngineCoreProc:
+    def __init__(
+        self, options: EngineOptions, engine_rank: int, input_address: str, output_address: str
+    ) -> None:
+        self.options = options
+        self.engine_rank = engine_rank
+        self.engine: Any = None
+        self.ctx = zmq.Context()
+        self.input_socket = self.ctx.socket(zmq.DEALER)
+        self.input_socket.setsockopt(zmq.IDENTITY, engine_identity(engine_rank))
+        self.input_socket.setsockopt(zmq.RCVHWM, 0)
+        self.input_socket.setsockopt(zmq.SNDHWM, 0)
+        self.input_socket.setsockopt(zmq.LINGER, 0)
+        self.input_socket.connect(input_address)
+        self.output_socket = self.ctx.socket(zmq.PUSH)
+        self.output_socket.setsockopt(zmq.SNDHWM, 0)
+        self.output_socket.setsockopt(zmq.LINGER, OUTPUT_LINGER_MS)
+        self.output_socket.connect(output_address)
+        self._phase_encoder = MsgpackEncoder()
+
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self.shutdown_requested = False
+        self._stop_address = f"inproc://input-stop-{uuid.uuid4().hex}"
+        self._stop_socket: zmq.Socket | None = None
+        self._input_thread: threading.Thread | None = None
+        self._output_thread: threading.Thread | None = None
+        self._in_flight: set[str] = set()
+        self._pending_utilities = 0
+
+    # -- start-up -----------------------------------------------------------------------------
+
+    def send_phase(self, phase: str, ready: EngineCoreReadyResponse | None = None) -> None:
+        logger.debug("engine core %d: %s", self.engine_rank, phase.replace("_", " "))
+        frames = [self._phase_encoder.encode(EngineHandshakePhase(self.engine_rank, phase))[0]]
+        if ready is not None:
+            frames.append(self._phase_encoder.encode(ready)[0])
+        self.input_socket.send_multipart(frames)
+
+    def build_engine(self) -> None:
+        from nanoserve.core.engine_core import EngineCore
+
+        self.send_phase("started")
+        self.engine = EngineCore(self.options, self.engine_rank, on_phase=self.send_phase)
+        # what is built so far lives as long as the process: keep the cyclic GC from rescanning it
+        gc.collect()
+        gc.freeze()
+        self.send_phase("ready", self.engine.ready_response)
+
+    def start_threads(self) -> None:
+        self._stop_socket = self.ctx.socket(zmq.PAIR)
+        self._stop_socket.setsockopt(zmq.LINGER, 0)
+        self._stop_socket.bind(self._stop_address)
+        # the threads own their sockets from here on; the main thread never touches them again
+        self._input_thread = threading.Thread(
+            target=self._process_input_socket, name="EngineCoreInput", daemon=True
+        )
+        self._output_thread = threading.Thread(
+            target=self._process_output_queue, name="EngineCoreOutput", daemon=True
+        )
+        self._input_thread.start()
+        self._output_thread.start()
+        # a process-directed signal may land on any thread, and a Python handler only runs once the main
+        # thread executes bytecode: the C-level handler writes to this pipe, and a helper thread turns
+        # that into an input-queue item that unblocks the busy loop so the handler can run
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        threading.Thread(
+            target=self._signal_helper, args=(read_fd,), name="EngineCoreSignal", daemon=True
+        ).start()
+
+    # -- signals ------------------------------------------------------------------------------
+
+    def request_shutdown(self) -> None:
+        """Called from the signal handler: it must not touch the queue locks the main thread may hold."""
+        self.shutdown_requested = True
+
+    def _signal_helper(self, read_fd: int) -> None:
+        while os.read(read_fd, 64):
+            self.input_queue.put_nowait((_WAKEUP, None))
+
+    # -- busy loop ----------------------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        engine = self.engine
+        deadline: float | None = None
+        while True:
+            if self.shutdown_requested and deadline is None:
+                deadline = time.monotonic() + self.options.shutdown_timeout
+                logger.info(
+                    "engine core %d: shutting down, draining %d request(s)",
+                    self.engine_rank,
+                    len(self._in_flight),
+                )
+            if deadline is not None:
+                if time.monotonic() >= deadline and self._in_flight:
+                    engine.abort_requests(list(self._in_flight))
+                if not engine.has_work() and not self._in_flight:
+                    return
+            self._drain_input_queue(self._block_timeout(deadline))
+            if engine.has_work():
+                outputs = engine.step()
+                if outputs.finished_requests:
+                    self._in_flight.difference_update(outputs.finished_requests)
+                if outputs.outputs or outputs.finished_requests:
+                    self.output_queue.put_nowait(outputs)
+                engine.post_step()
+
+    def _block_timeout(self, deadline: float | None) -> float | None:
+        """0: do not block. None: block until an input arrives."""
+        if self.engine.has_work():
+            return 0
+        if deadline is not None:
+            return max(0.0, deadline - time.monotonic())
+        if self._pending_utilities:
+            return 0.05  # a deferred utility (sleep mode="wait") completes in post_step
+        return None
+
+    def _drain_input_queue(self, timeout: float | None) -> None:
+        try:
+            item = self.input_queue.get_nowait() if timeout == 0 else self.input_queue.get(timeout=timeout)
+        except queue.Empty:
+            if self._pending_utilities:
+                self.engine.post_step()
+            return
+        while True:
+            self._handle_input(*item)
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle_input(self, request_type: Any, payload: Any) -> None:
+        if request_type is EngineCoreRequestType.ADD:
+            if self.shutdown_requested:
+                out = EngineCoreOutput(payload.request_id, [], finish_reason=FinishReason.ABORT)
+                self.output_queue.put_nowait(
+                    EngineCoreOutputs(self.engine_rank, [out], finished_requests={payload.request_id})
+                )
+                return
+            self._in_flight.add(payload.request_id)
+            try:
+                self.engine.add_request(payload)
+            except Exception as e:  # a bad request must not take the engine down
+                logger.exception(
+                    "engine core %d: request %s failed to enter", self.engine_rank, payload.request_id
+                )
+                out = EngineCoreOutput(
+                    payload.request_id, [], finish_reason=FinishReason.ERROR, error=f"{type(e).__name__}: {e}"
+                )
+                self._in_flight.discard(payload.request_id)
+                self.output_queue.put_nowait(
+                    EngineCoreOutputs(self.engine_rank, [out], finished_requests={payload.request_id})
+                )
+        elif request_type is EngineCoreRequestType.ABORT:
+            self.engine.abort_requests(payload)
+        elif request_type is EngineCoreRequestType.UTILITY:
+            self._run_utility(payload)
+        elif isinstance(payload, BaseException):
+            raise RuntimeError(
+                f"an engine core I/O thread failed: {type(payload).__name__}: {payload}"
+            ) from payload
+
+    def _run_utility(self, request: EngineCoreUtilityRequest) -> None:
+        call_id = request.call_id
+        if self.shutdown_requested:
+            self._send_utility(
+                call_id, failure=f"Call to {request.method} failed: the engine core is shutting down."
+            )
+            return
+        try:
+            result = self.engine.call_utility(request.method, tuple(request.args))
+        except Exception as e:
+            logger.info("engine core %d: utility %s failed: %s", self.engine_rank, request.method, e)
+            self._send_utility(call_id, failure=f"Call to {request.method} failed: {type(e).__name__}: {e}")
+            return
+        if isinstance(result, concurrent.futures.Future):
+            self._pending_utilities += 1
+            result.add_done_callback(lambda f: self._finish_deferred(call_id, request.method, f))
+        else:
+            self._send_utility(call_id, result=result)
+
+    def _finish_deferred(self, call_id: int, method: str, future: concurrent.futures.Future) -> None:
+        self._pending_utilities -= 1
+        if future.cancelled():
+            self._send_utility(call_id, failure=f"Call to {method} failed: cancelled by the engine core.")
+        elif future.exception() is not None:
+            e = future.exception()
+            self._send_utility(call_id, failure=f"Call to {method} failed: {type(e).__name__}: {e}")
+        else:
+            self._send_utility(call_id, result=future.result())
+
+    def _send_utility(self, call_id: int, result: Any = None, failure: str | None = None) -> None:
+        out = UtilityOutput(call_id, failure_message=failure, result=result)
+        self.output_queue.put_nowait(EngineCoreOutputs(self.engine_rank, utility_output=out))
+
+    # -- I/O threads ----------------------------------------------------------------------------
+
+    def _process_input_socket(self) -> None:
+        decoders = {
+            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+            EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
+            EngineCoreRequestType.UTILITY: MsgpackDecoder(EngineCoreUtilityRequest),
+        }
+        stop = self.ctx.socket(zmq.PAIR)
+        stop.connect(self._stop_address)
+        poller = zmq.Poller()
+        poller.register(self.input_socket, zmq.POLLIN)
+        poller.register(stop, zmq.POLLIN)
+        try:
+            while True:
+                if stop in dict(poller.poll()):
+                    return
+                type_frame, *frames = self.input_socket.recv_multipart(copy=False)
+                try:
+                    request_type = EngineCoreRequestType(type_frame.bytes)
+                    payload = decoders[request_type].decode(frames)
+                except Exception as e:
+                    self._reject_undecodable(type_frame.bytes, frames, e)
+                    continue
+                self.input_queue.put_nowait((request_type, payload))
+        except Exception as e:
+            self.input_queue.put_nowait((None, e))
+        finally:
+            stop.close(linger=0)
+            self.input_socket.close(linger=0)
+
+    def _reject_undecodable(self, type_byte: bytes, frames: list, error: Exception) -> None:
+        """Finish a request that fails to decode with an ERROR output, if its id can be read."""
+        request_id = None
+        if type_byte == EngineCoreRequestType.ADD.value:
+            with contextlib.suppress(Exception):
+                raw = msgspec.msgpack.decode(frames[0].buffer)  # array_like: the id comes first
+                request_id = raw[0] if isinstance(raw, list) and isinstance(raw[0], str) else None
+        logger.error(
+            "engine core %d: rejected an undecodable input (%s): %s", self.engine_rank, request_id, error
+        )
+        if request_id is not None:
+            out = EngineCoreOutput(
+                request_id, [], finish_reason=FinishReason.ERROR, error=f"Invalid request: {error}"
+            )
+            self.output_queue.put_nowait(
+                EngineCoreOutputs(self.engine_rank, [out], finished_requests={request_id})
+            )
+
+    def _process_output_queue(self) -> None:
+        encoder = MsgpackEncoder()
+        socket = self.output_socket
+        free: list[bytearray] = []
+        in_flight: collections.deque[tuple[zmq.MessageTracker, bytearray]] = collections.deque()
+        try:
+            while True:
+                item = self.output_queue.get()
+                if item is _STOP:
+                    return
+                if item is ENGINE_CORE_DEAD:
+                    socket.send(ENGINE_CORE_DEAD)
+                    continue
+                while in_flight and in_flight[0][0].done:
+                    free.append(in_flight.popleft()[1])
+                buf = free.pop() if free else bytearray()
+                frames = self._encode(encoder, item, buf)
+                # the body buffer is reused only once ZMQ reports this frame sent (frames under 64 KiB
+                # are copied by pyzmq and come back done at once)
+                if len(frames) == 1:
+                    tracker = socket.send(frames[0], copy=False, track=True)
+                else:
+                    tracker = socket.send(frames[0], zmq.SNDMORE, copy=False, track=True)
+                    socket.send_multipart(frames[1:], copy=False)
+                in_flight.append((tracker, frames[0]))
+        except Exception as e:
+            self.input_queue.put_nowait((None, e))  # the busy loop dies with this cause
+        finally:
+            socket.close(linger=OUTPUT_LINGER_MS)
+
+    def _encode(self, encoder: MsgpackEncoder, outputs: EngineCoreOutputs, buf: bytearray) -> list:
+        try:
+            return encoder.encode_into(outputs, buf)
+        except BufferError:  # still exported to a frame ZMQ let go of late: use a fresh buffer
+            return encoder.encode_into(outputs, bytearray())
+        except TypeError as e:
+            if outputs.utility_output is None:
+                raise
+            call_id = outputs.utility_output.call_id
+            failure = f"The utility's result cannot be sent over the wire: {e}"
+            failed = EngineCoreOutputs(self.engine_rank, utility_output=UtilityOutput(call_id, failure))
+            return encoder.encode_into(failed, bytearray())
+
+    # -- exit ---------------------------------------------------------------------------------
+
+    def close(self, death: BaseException | None = None) -> None:
+        """Stop the threads (after sending the death record and frame, when dying) and free the sockets."""
+        if self._output_thread is not None and self._output_thread.is_alive():
+            if death is not None:
+                self.output_queue.put_nowait(
+                    EngineCoreOutputs(self.engine_rank, death=death_record(self.engine_rank, death))
+                )
+                self.output_queue.put_nowait(ENGINE_CORE_DEAD)
+            self.output_queue.put_nowait(_STOP)
+            self._output_thread.join(timeout=OUTPUT_LINGER_MS / 1000 + 1)
+        elif self._output_thread is None:
+            if death is not None:
+                self._send_death_directly(death)
+            self.output_socket.close(linger=OUTPUT_LINGER_MS)
+        if self._input_thread is not None:
+            try:
+                self._stop_socket.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the input thread has already ended
+            self._input_thread.join(timeout=1)
+            self._stop_socket.close(linger=0)
+        else:
+            self.input_socket.close(linger=0)
+        if self.engine is not None:
+            try:
+                self.engine.shutdown()
+            except Exception:
+                logger.exception("engine core %d: error while shutting the engine down", self.engine_rank)
+        self.ctx.term()
+
+    def _send_death_directly(self, death: BaseException) -> None:
+        try:
+            body = MsgpackEncoder().encode(
+                EngineCoreOutputs(self.engine_rank, death=death_record(self.engine_rank, death))
+            )
+            self.output_socket.send_multipart(body)
+            self.output_socket.send(ENGINE_CORE_DEAD)
+        except Exception:
+            logger.exception("engine core %d: could not report its death", self.engine_rank)
+
+
+# -- process entry point and parent-death handling ------------------------------------------------------
+
+
+def _die_with_parent(frontend_pid: int) -> None:
+    """Exit when the frontend process is gone, even if it was SIGKILLed.
+
+    Our parent is the frontend (spawn, fork) or a forkserver that exits with the frontend. The parent-
+    death signal covers the common case at once; a polling thread covers a parent that died before
+    prctl took effect, platforms without prctl, and a frontend that is not our direct parent.
+    """
+    parent_pid = os.getppid()
+
+    def parent_gone() -> bool:
+        if os.getppid() != parent_pid:
+            return True  # re-parented: our parent has exited
+        try:
+            os.kill(frontend_pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
+    def on_parent_death_signal(signum: int, frame: Any) -> None:
+        # PDEATHSIG also fires when only the *thread* that started us exits: check the process
+        if parent_gone():
+            os._exit(1)
+
+    if sys.platform.startswith("linux"):
+        try:
+            signal.signal(signal.SIGUSR1, on_parent_death_signal)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGUSR1, 0, 0, 0)
+        except (OSError, AttributeError):
+            logger.warning("parent-death signal unavailable; relying on the polling thread")
+
+    def watch_parent() -> None:
+        while not parent_gone():
+            time.sleep(PARENT_POLL_INTERVAL_S)
+        logger.error("engine core: the frontend process %d is gone; exiting", frontend_pid)
+        os._exit(1)
+
+    threading.Thread(target=watch_parent, name="EngineCoreParentWatch", daemon=True).start()
+
+
+def _setup_logging(engine_rank: int) -> None:
+    if logging.getLogger().handlers:
+        return
+    level = os.environ.get("NANOSERVE_LOGGING_LEVEL", "INFO").upper()
+    logging.basicConfig(
+        level=level, format=f"(EngineCore_{engine_rank} pid=%(process)d) %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def run_engine_core(
+    options: EngineOptions, engine_rank: int, input_address: str, output_address: str, parent_pid: int
+) -> None:
+    """Target of the engine-core child process. Exit code: 0 after a requested shutdown, 1 on failure."""
+    _die_with_parent(parent_pid)
+    try:
+        from setproctitle import setproctitle
+
+        setproctitle(f"nanoserve::EngineCore_{engine_rank}")
+    except ImportError:
+        pass
+    _setup_logging(engine_rank)
+
+    proc: EngineCoreProc | None = None
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if proc is None or proc.engine is None:
+            raise SystemExit(0)  # still starting: abandon the build
+        proc.request_shutdown()
+
+    # installed before the engine is built, so a SIGTERM during weight loading is not lost
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    try:
+        proc = EngineCoreProc(options, engine_rank, input_address, output_address)
+        proc.build_engine()
+        proc.start_threads()
+        proc.run_busy_loop()
+    except SystemExit:
+        if proc is not None:
+            proc.close()
+        raise
+    except BaseException as e:
+        logger.exception("engine core %d failed", engine_rank)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if proc is not None:
+            proc.close(death=e)
+        sys.exit(1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    proc.close()

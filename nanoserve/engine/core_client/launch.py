@@ -1,0 +1,243 @@
+"""Starting engine-core processes and waiting, under one deadline, until each is ready.
+
+The frontend binds the input ROUTER and the output PULL first (ipc:// in the temp dir by default,
+tcp:// on loopback with kernel-chosen ports when asked), then starts one child per engine rank. Each
+child connects back and reports its phases on the ROUTER; the last report carries its
+`EngineCoreReadyResponse`. One deadline (NANOSERVE_ENGINE_READY_TIMEOUT_S, default 600 s) covers spawn,
+imports, weight loading and KV sizing. A child that exits during start-up ends the wait at once with
+its exit code and, when it could still send it, its death record (read from the output PULL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+
+import zmq
+
+from nanoserve.config import EngineOptions
+from nanoserve.engine.exceptions import EngineDeadError, EngineStartupError
+from nanoserve.wire.codec import MsgpackDecoder
+from nanoserve.wire.messages import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutputs,
+    EngineCoreReadyResponse,
+    EngineDeathRecord,
+    EngineHandshakePhase,
+)
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_ENV = "NANOSERVE_ENGINE_READY_TIMEOUT_S"
+DEFAULT_READY_TIMEOUT_S = 600.0
+READY_TIMEOUT_MESSAGE = (
+    "Timed out waiting for engine core processes to start. "
+    "This is often caused by slow weight loading for large models."
+)
+TERMINATE_GRACE_S = 5.0
+"""How long shutdown waits after SIGTERM (beyond the engine's own drain time) before SIGKILL."""
+
+
+def ready_timeout_s() -> float:
+    return float(os.environ.get(READY_TIMEOUT_ENV, DEFAULT_READY_TIMEOUT_S))
+
+
+@dataclass
+class EngineZmqAddresses:
+    input: str
+    output: str
+    ipc_paths: list[str] = field(default_factory=list)
+    """Socket files to unlink at shutdown."""
+
+
+def make_socket(ctx: zmq.Context, socket_type: int, transport: str) -> tuple[zmq.Socket, str, str | None]:
+    """Bind a socket of `socket_type` and return it, its resolved endpoint and its ipc file, if any."""
+    sock = ctx.socket(socket_type)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    path = None
+    try:
+        if transport == "tcp":
+            sock.bind("tcp://127.0.0.1:0")
+        else:
+            path = os.path.join(tempfile.gettempdir(), f"nanoserve-{uuid.uuid4().hex[:16]}")
+            sock.bind(f"ipc://{path}")
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    return sock, endpoint, path
+
+
+class EngineProcManager:
+    """The engine-core child processes of one client: start, watch, stop."""
+
+    def __init__(self, options: EngineOptions, addresses: EngineZmqAddresses, ranks: list[int]) -> None:
+        from nanoserve.core.engine_core_proc import run_engine_core
+
+        mp = multiprocessing.get_context(options.engine_start_method)
+        self.options = options
+        self.procs: dict[int, BaseProcess] = {}
+        for rank in ranks:
+            proc = mp.Process(
+                target=run_engine_core,
+                name=f"EngineCore_{rank}",
+                args=(options, rank, addresses.input, addresses.output, os.getpid()),
+                daemon=True,
+            )
+            self.procs[rank] = proc
+            with _main_module_hidden(options.engine_start_method):
+                proc.start()
+
+    def sentinels(self) -> dict[int, int]:
+        return {proc.sentinel: rank for rank, proc in self.procs.items()}
+
+    def exit_code(self, rank: int) -> int | None:
+        return self.procs[rank].exitcode
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs.values() if p.pid is not None]
+
+    def finished(self) -> dict[int, int]:
+        """Ranks whose process has exited, with their exit codes."""
+        return {rank: p.exitcode for rank, p in self.procs.items() if p.exitcode is not None}
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """SIGTERM every engine, wait for the drain, SIGKILL what is left. Bounded and idempotent."""
+        if timeout is None:
+            timeout = self.options.shutdown_timeout + TERMINATE_GRACE_S
+        alive = [p for p in self.procs.values() if p.exitcode is None]
+        for proc in alive:
+            _signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in alive:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in alive:
+            if proc.exitcode is None:
+                logger.warning("engine core %s did not stop within %.1f s; killing it", proc.name, timeout)
+                _signal(proc, signal.SIGKILL)
+                proc.join(5)
+
+
+@contextlib.contextmanager
+def _main_module_hidden(start_method: str) -> Iterator[None]:
+    """Keep a spawned engine from re-running the user's script: it needs nothing from `__main__`, and a
+    script without an `if __name__ == "__main__":` guard would otherwise start engines recursively."""
+    main = sys.modules.get("__main__")
+    if start_method == "fork" or main is None:
+        yield
+        return
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    with _MAIN_LOCK:
+        try:
+            main.__dict__.pop("__file__", None)
+            main.__spec__ = None
+            yield
+        finally:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
+
+
+_MAIN_LOCK = threading.Lock()
+
+
+def _signal(proc: BaseProcess, signum: int) -> None:
+    try:
+        if proc.pid is not None:
+            os.kill(proc.pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def wait_for_engine_startup(
+    input_socket: zmq.Socket,
+    output_socket: zmq.Socket,
+    manager: EngineProcManager,
+    timeout_s: float | None = None,
+) -> dict[int, EngineCoreReadyResponse]:
+    """Collect every engine's ready response, logging phases; raise on death or at the deadline."""
+    timeout_s = ready_timeout_s() if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
+    phase_decoder = MsgpackDecoder(EngineHandshakePhase)
+    ready_decoder = MsgpackDecoder(EngineCoreReadyResponse)
+    phases = {rank: "spawning" for rank in manager.procs}
+    ready: dict[int, EngineCoreReadyResponse] = {}
+    started = time.monotonic()
+    poller = zmq.Poller()
+    poller.register(input_socket, zmq.POLLIN)
+    for sentinel in manager.sentinels():
+        poller.register(sentinel, zmq.POLLIN)
+    while len(ready) < len(manager.procs):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            waiting = ", ".join(f"engine {r}: {phases[r]}" for r in sorted(phases) if r not in ready)
+            raise TimeoutError(
+                f"{READY_TIMEOUT_MESSAGE} Waited {timeout_s:g} s ({waiting}); set {READY_TIMEOUT_ENV} to a larger "
+                "number of seconds to wait longer."
+            )
+        events = dict(poller.poll(timeout=remaining * 1000))
+        if input_socket in events:
+            identity, *frames = input_socket.recv_multipart()
+            rank = int.from_bytes(identity, "little")
+            phase = phase_decoder.decode(frames[0])
+            phases[rank] = phase.phase
+            logger.info(
+                "engine core %d: %s (%.1f s)", rank, phase.phase.replace("_", " "), time.monotonic() - started
+            )
+            if phase.phase == "ready":
+                ready[rank] = ready_decoder.decode(frames[1])
+        for rank, code in manager.finished().items():
+            record = _read_death_record(output_socket)
+            raise startup_error(rank, code, phases[rank], record)
+    return ready
+
+
+def _read_death_record(output_socket: zmq.Socket, wait_s: float = 0.5) -> EngineDeathRecord | None:
+    """The death record a child sends just before exiting, if it got that far."""
+    decoder = MsgpackDecoder(EngineCoreOutputs)
+    deadline = time.monotonic() + wait_s
+    while output_socket.poll(max(0.0, deadline - time.monotonic()) * 1000):
+        frames = output_socket.recv_multipart(copy=False)
+        if len(frames) == 1 and frames[0].bytes == ENGINE_CORE_DEAD:
+            return None
+        outputs = decoder.decode(frames)
+        if outputs.death is not None:
+            return outputs.death
+    return None
+
+
+def startup_error(
+    rank: int, exit_code: int, phase: str, record: EngineDeathRecord | None
+) -> EngineStartupError:
+    return EngineStartupError(
+        f"Engine core {rank} failed during start-up (last phase: {phase})",
+        engine_rank=rank,
+        exit_code=exit_code,
+        exc_type=record.exc_type if record else None,
+        exc_message=record.message if record else None,
+        traceback_tail=record.traceback_tail if record else "",
+    )
+
+
+def dead_error(rank: int, exit_code: int | None, record: EngineDeathRecord | None) -> EngineDeadError:
+    return EngineDeadError(
+        None,
+        engine_rank=rank,
+        exit_code=exit_code,
+        exc_type=record.exc_type if record else None,
+        exc_message=record.message if record else None,
+        traceback_tail=record.traceback_tail if record else "",
+    )
