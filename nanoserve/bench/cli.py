@@ -1,0 +1,28 @@
+"""`nanoserve bench throughput | ipc | serve`: each benchmark module owns its flags (`main(argv)`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "throughput": "nanoserve.bench.throughput",
+    "ipc": "nanoserve.bench.ipc",
+    "serve": "nanoserve.bench.serve",
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmarks: throughput (vs transformers), ipc (client layer), serve (any OpenAI server)",
+        description="Run `nanoserve bench NAME --help` for a benchmark's own flags.",
+    )
+    parser.add_argument("name", choices=sorted(BENCHMARKS))
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="flags passed to the benchmark")
+    parser.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    importlib.import_module(BENCHMARKS[args.name]).main(args.args)
+    return 0
