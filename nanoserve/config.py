@@ -39,7 +39,9 @@ class EngineOptions:
     """KV cache budget; default 1 GiB unless num_kv_blocks is given."""
     enable_prefix_caching: bool = True
     seed: int = 0
-    multiprocess_mode: bool = field(default_factory=lambda: _env_flag("NANOSERVE_ENABLE_MULTIPROCESSING", False))
+    multiprocess_mode: bool = field(default_factory=lambda: _env_flag("NANOSERVE_ENABLE_MULTIPROCESSING", True))
+    """Run the engine core in a child process (the default, as in vLLM); NANOSERVE_ENABLE_MULTIPROCESSING=0
+    or False selects the in-process engine."""
     device: str = "auto"
     """auto: cuda when available, else cpu."""
     num_threads: int | None = None

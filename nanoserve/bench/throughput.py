@@ -81,45 +81,65 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-transformers", action="store_true", help="time nanoserve alone")
-    parser.add_argument("--multiprocess", action="store_true", help="run the engine core in a child process")
     parser.add_argument(
-        "--profile", action="store_true", help="write a torch profiler trace of one decode run"
+        "--engines",
+        default="mp,transformers",
+        help="comma-separated, first is the reference for ratios: mp (engine core in a child process), "
+        "inproc (same process), transformers",
     )
+    parser.add_argument("--profile", action="store_true", help="write a torch profiler trace of a decode run")
     args = parser.parse_args(argv)
 
     from nanoserve.entrypoints.llm import LLM
-    from nanoserve.model.loader import resolve_model_path
+    from nanoserve.model.loader import load_tokenizer, resolve_model_path
 
     model_path = resolve_model_path(args.model)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    llm = LLM(model=model_path, dtype=args.dtype, multiprocess_mode=args.multiprocess)
-    tokenizer = llm.get_tokenizer()
-    hf_model = None if args.no_transformers else load_transformers(model_path, getattr(torch, args.dtype))
+    names = args.engines.split(",")
+    unknown = set(names) - {"mp", "inproc", "transformers"}
+    if unknown:
+        parser.error(f"unknown engine(s): {', '.join(sorted(unknown))}")
+    tokenizer = load_tokenizer(model_path)
+    llms = {
+        n: LLM(model=model_path, dtype=args.dtype, multiprocess_mode=n == "mp")
+        for n in names
+        if n != "transformers"
+    }
+    hf_model = load_transformers(model_path, getattr(torch, args.dtype)) if "transformers" in names else None
+
+    def run(name: str, prompts: list[list[int]], new_tokens: int) -> float:
+        if name == "transformers":
+            return time_transformers(hf_model, prompts, new_tokens)
+        return time_nanoserve(llms[name], prompts, new_tokens)
 
     print(
         f"model {model_path}\ndtype {args.dtype}, {torch.get_num_threads()} threads, "
-        f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy\n"
+        f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy; "
+        f"tok/s as median (min-max) of {args.repeats}\n"
     )
-    print(f"{'batch':>5}  {'nanoserve tok/s':>22}  {'transformers tok/s':>22}  {'ratio':>6}")
+    labels = {"mp": "nanoserve (mp)", "inproc": "nanoserve (inproc)", "transformers": "transformers"}
+    header = f"{'batch':>5}" + "".join(f"  {labels[n]:>20}" for n in names)
+    header += "".join(f"  {names[0] + '/' + n:>18}" for n in names[1:])
+    print(header)
     for batch in batch_sizes:
         prompts = make_prompts(tokenizer, batch, args.prompt_len)
-        time_nanoserve(llm, prompts, 8)  # warm-up
-        ours = [time_nanoserve(llm, prompts, args.new_tokens) for _ in range(args.repeats)]
-        theirs: list[float] = []
-        if hf_model is not None:
-            time_transformers(hf_model, prompts, 4)
-            theirs = [time_transformers(hf_model, prompts, args.new_tokens) for _ in range(args.repeats)]
-        ratio = f"{statistics.median(ours) / statistics.median(theirs):5.2f}x" if theirs else "-"
-        print(
-            f"{batch:>5}  {summarize(ours):>22}  {summarize(theirs) if theirs else '-':>22}  {ratio:>6}",
-            flush=True,
-        )
+        samples: dict[str, list[float]] = {n: [] for n in names}
+        for name in names:
+            run(name, prompts, 4)  # warm-up
+        for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits every engine alike
+            for name in names:
+                samples[name].append(run(name, prompts, args.new_tokens))
+        medians = {n: statistics.median(v) for n, v in samples.items()}
+        row = f"{batch:>5}" + "".join(f"  {summarize(samples[n]):>20}" for n in names)
+        row += "".join(f"  {medians[names[0]] / medians[n]:>17.2f}x" for n in names[1:])
+        print(row, flush=True)
 
-    if args.profile:
+    if args.profile and llms:
+        llm = next(iter(llms.values()))
         prompts = make_prompts(tokenizer, batch_sizes[-1], args.prompt_len)
         llm.llm_engine.engine_core.profile(True)
         time_nanoserve(llm, prompts, 16)
         llm.llm_engine.engine_core.profile(False)
         print("profiler trace written under NANOSERVE_TORCH_PROFILER_DIR (default ./profiles)")
-    llm.shutdown()
+    for llm in llms.values():
+        llm.shutdown()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from nanoserve.config import EngineOptions
 from nanoserve.engine.core_client.base import EngineCoreClient
-from nanoserve.engine.exceptions import EngineDeadError
 from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.processor import Processor, PromptType
 from nanoserve.outputs import RequestOutput
@@ -54,9 +53,6 @@ class LLMEngine:
         if not self.output_processor.has_unfinished_requests():
             return []
         engine_outputs = self.engine_core.get_output()
-        if engine_outputs.death is not None:
-            death = engine_outputs.death
-            raise EngineDeadError(f"Engine core {death.engine_rank} died: {death.exc_type}: {death.message}")
         request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)
