@@ -50,6 +50,17 @@ def bundled_gguf_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def hf_bundled_model(bundled_gguf_path):
+    """transformers' own GGUF load of the bundled model in float32 (~10 s), shared by the tests that
+    compare against it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(bundled_gguf_path)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """The bundled model's tokenizer and chat template, saved as HF tokenizer files."""
     from transformers import AutoTokenizer

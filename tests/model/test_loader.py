@@ -32,15 +32,6 @@ def bundled_model(bundled_gguf_path):
     return config, load_model(bundled_gguf_path, config, torch.float32, CPU)
 
 
-@pytest.fixture(scope="session")
-def hf_bundled_model(bundled_gguf_path):
-    """transformers' own GGUF load of the bundled model (~10 s), shared by the tests that compare to it."""
-    from transformers import AutoModelForCausalLM
-
-    folder, name = os.path.split(bundled_gguf_path)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-
-
 def test_resolve_model_path(bundled_gguf_path, tmp_path):
     assert resolve_model_path(None) == bundled_gguf_path
     assert resolve_model_path(str(tmp_path)) == str(tmp_path)
