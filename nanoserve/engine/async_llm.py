@@ -1,0 +1,429 @@
+"""AsyncLLM: the asyncio frontend engine, over `AsyncMPClient` (the engine core runs in a child process).
+
+`async for out in engine.generate(prompt, params, request_id)` streams a request's outputs as its
+tokens arrive. One output-handler task pulls `EngineCoreOutputs` from the client, runs them through the
+OutputProcessor in small slices (yielding to the loop between slices, so a big batch never stalls it)
+and routes each `RequestOutput` to its request's stream. A consumer that stops early (cancelled,
+`aclose()`, a client that went away) aborts its request in the engine, freeing its KV blocks.
+
+When the engine dies the handler pushes the `EngineDeadError` into every open stream, `errored` turns
+true, and every later call raises that error. Prompts are tokenized on one worker thread, so a long
+prompt never blocks the event loop (one thread: the Rust tokenizer is not shared between threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanoserve.config import EngineOptions
+from nanoserve.engine.core_client.base import EngineCoreClient
+from nanoserve.engine.exceptions import EngineDeadError
+from nanoserve.engine.output_processor import OutputProcessor
+from nanoserve.engine.processor import Conversation, Processor, PromptType
+from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.wire.messages import EngineCoreOutputs, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_SLICE_SIZE = 64
+"""Engine outputs processed between two yields to the event loop."""
+
+
+class EngineHungError(EngineDeadError):
+    """The engine core process is alive but has produced no output for too long while it had work."""
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What one batch of engine outputs did, for metrics."""
+
+    num_prompt_tokens: int = 0
+    """Prompt tokens of the requests that produced their first token in this batch."""
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+StatLogger = Callable[[SchedulerStats | None, IterationStats], None]
+"""Called on the event loop after each batch of engine outputs (and when requests are aborted)."""
+
+
+@dataclass
+class _RequestTiming:
+    arrival_time: float
+    num_prompt_tokens: int
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+class RequestStream:
+    """The outputs of one request on their way to its consumer; cumulative, so a slow consumer may skip
+    intermediate ones and lose nothing."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def get(self) -> RequestOutput:
+        """The newest output (skipping older queued ones); raises the error pushed into the stream."""
+        item = await self._queue.get()
+        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            raise item
+        self.finished = item.finished
+        return item
+
+
+class AsyncLLM:
+    """`AsyncLLM(model=None, **engine_options)`; the same option names as `LLM`."""
+
+    def __init__(
+        self, model: str | None = None, *, stat_loggers: list[StatLogger] | None = None, **options: Any
+    ) -> None:
+        self._build(EngineOptions.from_kwargs(model, **options), stat_loggers or [])
+
+    @classmethod
+    def from_options(cls, options: EngineOptions, stat_loggers: list[StatLogger] | None = None) -> AsyncLLM:
+        engine = cls.__new__(cls)
+        engine._build(options, stat_loggers or [])
+        return engine
+
+    def _build(self, options: EngineOptions, stat_loggers: list[StatLogger]) -> None:
+        from nanoserve.model.loader import load_model_config, load_tokenizer, resolve_model_path
+
+        self.engine_core: EngineCoreClient | None = None
+        self._output_handler: asyncio.Task | None = None
+        self._is_shut_down = False
+        options = dataclasses.replace(options, multiprocess_mode=True)
+        self.options = options
+        self.model_path = resolve_model_path(options.model)
+        self.model_name = load_model_config(self.model_path).name
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.stat_loggers = list(stat_loggers)
+        self.engine_core = EngineCoreClient.make_client(True, True, options)
+        ready = self.engine_core.ready_response
+        self.max_model_len = ready.max_model_len
+        self.processor = Processor(
+            self.tokenizer,
+            ready.max_model_len,
+            self.tokenizer.eos_token_id,
+            vocab_size=min(len(self.tokenizer), ready.vocab_size),
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.streams: dict[str, RequestStream] = {}
+        self._timings: dict[str, _RequestTiming] = {}
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="nanoserve-tokenize"
+        )
+        self._request_counter = itertools.count()
+        self.dead_error: EngineDeadError | None = None
+        self.dead_event = asyncio.Event()
+        self.last_output_time = time.monotonic()
+        """When the engine last produced an output, or when it last went from idle to busy."""
+        self.last_scheduler_stats: SchedulerStats | None = None
+        try:  # on a running loop the handler starts now, so death is noticed even while idle
+            asyncio.get_running_loop()
+            self.start()
+        except RuntimeError:
+            pass
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self._output_handler is not None and not self._output_handler.done()
+
+    def is_hung(self, timeout_s: float) -> bool:
+        """True when requests are in flight but the engine has said nothing for `timeout_s` seconds."""
+        return bool(self.streams) and time.monotonic() - self.last_output_time > timeout_s
+
+    async def check_health(self, hang_timeout_s: float | None = None) -> None:
+        """Raise EngineDeadError when the engine is dead (or EngineHungError when it looks hung)."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        if hang_timeout_s is not None and self.is_hung(hang_timeout_s):
+            raise EngineHungError(
+                f"The engine core has produced no output for {time.monotonic() - self.last_output_time:.1f} s "
+                f"with {len(self.streams)} request(s) in flight."
+            )
+
+    def start(self) -> None:
+        """Start the output handler on the running loop (done by the first request if not before)."""
+        if self._output_handler is None and not self._is_shut_down:
+            self._output_handler = asyncio.get_running_loop().create_task(
+                self._run_output_handler(), name="AsyncLLMOutputHandler"
+            )
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def tokenize(self, prompt: PromptType) -> dict[str, Any]:
+        """{"prompt": text or None, "prompt_token_ids": [...]}, tokenized off the event loop."""
+        if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt):
+            text, ids = await self._in_pool(self.processor.tokenize, prompt)
+        else:
+            text, ids = self.processor.tokenize(prompt)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    async def render_chat(
+        self, conversation: Conversation, add_generation_prompt: bool = True
+    ) -> dict[str, Any]:
+        """The conversation through the model's chat template, tokenized off the event loop."""
+        return await self._in_pool(self.processor.render_chat, conversation, add_generation_prompt)
+
+    async def _in_pool(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    async def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
+    ) -> RequestStream:
+        """Validate and send a request; return its stream. ValueError (nothing sent) when it is invalid."""
+        self._ensure_alive()
+        self.start()
+        if request_id in self.streams:
+            raise ValueError(f"Request id {request_id!r} is already running.")
+        if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt):
+            prompt = await self.tokenize(prompt)
+            self._ensure_alive()
+        text, request = self.processor.process(request_id, prompt, params or SamplingParams())
+        if request_id in self.streams:
+            raise ValueError(f"Request id {request_id!r} is already running.")
+        stream = RequestStream(request_id)
+        if not self.streams:
+            self.last_output_time = time.monotonic()  # idle -> busy: the hang clock starts now
+        engine_requests = self.output_processor.add_request(request, text)
+        self.streams[request_id] = stream
+        self._timings[request_id] = _RequestTiming(time.monotonic(), len(request.prompt_token_ids))
+        try:
+            for engine_request in engine_requests:
+                await self.engine_core.add_request_async(engine_request)
+        except BaseException:
+            await self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        output_kind: str = "cumulative",
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs as tokens arrive; the last one has `finished` set.
+
+        output_kind "cumulative": text and token ids so far; "delta": only what is new since the last
+        yield. Stopping the iteration early (break, cancel, aclose) aborts the request in the engine.
+        """
+        if output_kind not in ("cumulative", "delta"):
+            raise ValueError(f"output_kind must be 'cumulative' or 'delta', got {output_kind!r}.")
+        if request_id is None:
+            request_id = f"gen-{next(self._request_counter)}"
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        async for output in self.iterate(stream, output_kind):
+            yield output
+
+    async def iterate(
+        self, stream: RequestStream, output_kind: str = "cumulative"
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield a stream's outputs (see `generate`); aborts the request if left before it finishes."""
+        sent: dict[int, tuple[int, int, int]] = {}  # index -> (chars, tokens, logprobs) already yielded
+        try:
+            while True:
+                output = await stream.get()
+                yield _delta(output, sent) if output_kind == "delta" else output
+                if output.finished:
+                    return
+        finally:
+            if not stream.finished:
+                await self.abort(stream.request_id)
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored); their streams end with no more outputs."""
+        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        engine_ids = self.output_processor.abort_requests(request_ids)
+        stats = IterationStats()
+        now = time.monotonic()
+        for rid in request_ids:
+            self.streams.pop(rid, None)
+            timing = self._timings.pop(rid, None)
+            if timing is not None:
+                stats.finished.append(
+                    FinishedRequestStats(
+                        "abort",
+                        now - timing.arrival_time,
+                        timing.num_prompt_tokens,
+                        timing.num_generation_tokens,
+                    )
+                )
+        self._log_stats(None, stats)
+        if engine_ids and self.dead_error is None and self.engine_core is not None:
+            try:
+                await self.engine_core.abort_requests_async(engine_ids)
+            except EngineDeadError:
+                pass  # the engine is gone, and its requests with it
+
+    # -- the output handler ---------------------------------------------------------------------
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                engine_outputs = await self.engine_core.get_output_async()
+                self.last_output_time = time.monotonic()
+                self.last_scheduler_stats = engine_outputs.scheduler_stats or self.last_scheduler_stats
+                outputs = engine_outputs.outputs
+                for start in range(0, max(len(outputs), 1), OUTPUT_SLICE_SIZE):
+                    if start:
+                        await asyncio.sleep(0)
+                    part = _slice_outputs(engine_outputs, outputs[start : start + OUTPUT_SLICE_SIZE])
+                    await self._process_slice(part, last=start + OUTPUT_SLICE_SIZE >= len(outputs))
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as e:
+            self._fail_all(e)
+        except Exception as e:
+            logger.exception("AsyncLLM output handler failed")
+            error = EngineDeadError(f"The output handler failed: {type(e).__name__}: {e}")
+            error.__cause__ = e
+            self._fail_all(error)
+
+    async def _process_slice(self, engine_outputs: EngineCoreOutputs, last: bool) -> None:
+        stats = IterationStats()
+        now = time.monotonic()
+        for output in engine_outputs.outputs:
+            state = self.output_processor.engine_to_request.get(output.request_id)
+            timing = self._timings.get(state.request_id) if state is not None else None
+            if timing is None or not output.new_token_ids:
+                continue
+            num_new = len(output.new_token_ids)
+            if timing.first_token_time is None:
+                timing.first_token_time = now
+                stats.time_to_first_tokens.append(now - timing.arrival_time)
+                stats.num_prompt_tokens += timing.num_prompt_tokens
+            elif timing.last_token_time is not None:
+                stats.inter_token_latencies.extend([(now - timing.last_token_time) / num_new] * num_new)
+            timing.last_token_time = now
+            timing.num_generation_tokens += num_new
+            stats.num_generation_tokens += num_new
+        request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs)
+        for request_output in request_outputs:
+            stream = self.streams.get(request_output.request_id)
+            if stream is not None:
+                stream.put(request_output)
+            if request_output.finished:
+                self.streams.pop(request_output.request_id, None)
+                timing = self._timings.pop(request_output.request_id, None)
+                if timing is not None:
+                    stats.finished.append(
+                        FinishedRequestStats(
+                            _finish_reason(request_output.outputs),
+                            now - timing.arrival_time,
+                            timing.num_prompt_tokens,
+                            timing.num_generation_tokens,
+                        )
+                    )
+        if to_abort:
+            await self.engine_core.abort_requests_async(to_abort)
+        self._log_stats(engine_outputs.scheduler_stats if last else None, stats)
+
+    def _log_stats(self, scheduler_stats: SchedulerStats | None, stats: IterationStats) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger(scheduler_stats, stats)
+            except Exception:
+                logger.exception("stat logger failed")
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        if self.dead_error is None:
+            self.dead_error = error
+            logger.error("engine core is dead: %s", error)
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream.put(error)
+        self.dead_event.set()
+
+    def _ensure_alive(self) -> None:
+        if self._is_shut_down and self.dead_error is None:
+            raise EngineDeadError("AsyncLLM has been shut down.")
+        if self.dead_error is not None:
+            raise self.dead_error
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the handler and the engine, fail open streams; idempotent."""
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        if self._output_handler is not None and not self._output_handler.done():
+            self._output_handler.cancel()
+        if self.engine_core is not None:
+            self.engine_core.shutdown()
+        if self.streams:
+            streams, self.streams = self.streams, {}
+            for stream in streams.values():
+                stream.put(EngineDeadError("AsyncLLM has been shut down."))
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+
+def _slice_outputs(engine_outputs: EngineCoreOutputs, outputs: list) -> EngineCoreOutputs:
+    if len(outputs) == len(engine_outputs.outputs):
+        return engine_outputs
+    return EngineCoreOutputs(
+        engine_index=engine_outputs.engine_index,
+        outputs=outputs,
+        scheduler_stats=engine_outputs.scheduler_stats,
+        timestamp=engine_outputs.timestamp,
+    )
+
+
+def _finish_reason(outputs: list[CompletionOutput]) -> str:
+    reasons = [o.finish_reason for o in outputs if o.finish_reason is not None]
+    for reason in ("error", "abort", "length"):
+        if reason in reasons:
+            return reason
+    return reasons[0] if reasons else "abort"
+
+
+def _delta(output: RequestOutput, sent: dict[int, tuple[int, int, int]]) -> RequestOutput:
+    """The part of a cumulative output not yet yielded; updates `sent`."""
+    completions = []
+    for c in output.outputs:
+        num_chars, num_tokens, num_logprobs = sent.get(c.index, (0, 0, 0))
+        logprobs = c.logprobs[num_logprobs:] if c.logprobs is not None else None
+        completions.append(
+            dataclasses.replace(
+                c, text=c.text[num_chars:], token_ids=c.token_ids[num_tokens:], logprobs=logprobs
+            )
+        )
+        sent[c.index] = (len(c.text), len(c.token_ids), len(c.logprobs) if c.logprobs is not None else 0)
+    return dataclasses.replace(output, outputs=completions)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: protocol models, request handlers, the FastAPI app, metrics."""

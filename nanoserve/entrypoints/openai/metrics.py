@@ -1,0 +1,157 @@
+"""Prometheus metrics for `/metrics`, named as vLLM names them but under the `nanoserve:` prefix.
+
+A `PrometheusStatLogger` is one of AsyncLLM's stat loggers: it is called on the event loop with the
+latest scheduler stats and what each batch of outputs did. It owns its registry, so several servers
+(or tests) in one process never collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from nanoserve.engine.async_llm import IterationStats
+from nanoserve.wire.messages import SchedulerStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+LATENCY_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+E2E_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str) -> None:
+        disable_created_metrics()  # no `_created` series: they double the output and nobody plots them
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"nanoserve:{name}", doc, list(labels), registry=self.registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"nanoserve:{name}", doc, list(labels), registry=self.registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(
+                f"nanoserve:{name}", doc, list(labels), buckets=buckets, registry=self.registry
+            ).labels(**labels)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the engine's running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.num_preemptions = counter(
+            "num_preemptions", "Requests preempted (recomputed) for lack of KV blocks."
+        )
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        success = Counter(
+            "nanoserve:request_success",
+            "Finished requests, by finish reason.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.request_success = {r: success.labels(**labels, finished_reason=r) for r in FINISH_REASONS}
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time from arrival to the first generated token.", LATENCY_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between two generated tokens of a request.", LATENCY_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the end of a request.", E2E_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
+        )
+        self._last_totals = (0, 0, 0)  # the engine reports running totals; counters take increments
+
+    def __call__(self, scheduler_stats: SchedulerStats | None, stats: IterationStats) -> None:
+        if scheduler_stats is not None:
+            self.num_requests_running.set(scheduler_stats.num_running_reqs)
+            self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
+            self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
+            totals = (
+                scheduler_stats.num_preemptions,
+                scheduler_stats.prefix_cache_queries,
+                scheduler_stats.prefix_cache_hits,
+            )
+            for metric, new, old in zip(
+                (self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits),
+                totals,
+                self._last_totals,
+                strict=True,
+            ):
+                if new > old:
+                    metric.inc(new - old)
+            self._last_totals = totals
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        for ttft in stats.time_to_first_tokens:
+            self.time_to_first_token.observe(ttft)
+        for itl in stats.inter_token_latencies:
+            self.inter_token_latency.observe(itl)
+        for finished in stats.finished:
+            self.request_success.get(finished.finish_reason, self.request_success["error"]).inc()
+            self.e2e_request_latency.observe(finished.e2e_latency)
+            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.observe(finished.num_generation_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
