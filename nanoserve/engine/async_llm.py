@@ -127,12 +127,7 @@ class AsyncLLM:
         self.engine_core = EngineCoreClient.make_client(True, True, options)
         ready = self.engine_core.ready_response
         self.max_model_len = ready.max_model_len
-        self.processor = Processor(
-            self.tokenizer,
-            ready.max_model_len,
-            self.tokenizer.eos_token_id,
-            vocab_size=min(len(self.tokenizer), ready.vocab_size),
-        )
+        self.processor = Processor.for_engine(self.tokenizer, ready)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.streams: dict[str, RequestStream] = {}
         self._timings: dict[str, _RequestTiming] = {}

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.wire.messages import EngineCoreRequest
+from nanoserve.wire.messages import EngineCoreReadyResponse, EngineCoreRequest
 
 PromptType = str | list[int] | dict[str, Any]
 """Text, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."} (both keys allowed)."""
@@ -28,6 +28,12 @@ class Processor:
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
+
+    @classmethod
+    def for_engine(cls, tokenizer, ready: EngineCoreReadyResponse) -> Processor:
+        """Validate against the capacity the engine actually computed, not the options asked for."""
+        vocab_size = min(len(tokenizer), ready.vocab_size)
+        return cls(tokenizer, ready.max_model_len, tokenizer.eos_token_id, vocab_size=vocab_size)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Return (prompt text or None, prompt token ids)."""
