@@ -23,12 +23,12 @@ run: $(STAMP)
 	$(BIN)/nanoserve generate "$(PROMPT)" --max-tokens 48 --temperature 0
 
 test: $(STAMP)
-	$(BIN)/ruff check nanoserve tests benchmarks
+	$(BIN)/ruff check nanoserve tests
 	$(BIN)/pytest -q tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check nanoserve tests benchmarks
-	$(BIN)/ruff format --check nanoserve tests benchmarks
+	$(BIN)/ruff check nanoserve tests
+	$(BIN)/ruff format --check nanoserve tests
 
 bench: $(STAMP)
 	$(BIN)/nanoserve bench throughput

@@ -172,7 +172,9 @@ class EngineCore:
         self._pending_outputs.extend(
             EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT) for r in held
         )
-        self._pending_outputs.extend(self.scheduler.finish_requests(list(ids), RequestStatus.FINISHED_ABORTED))
+        self._pending_outputs.extend(
+            self.scheduler.finish_requests(list(ids), RequestStatus.FINISHED_ABORTED)
+        )
 
     def has_work(self) -> bool:
         if self._pending_outputs:
@@ -282,7 +284,9 @@ class EngineCore:
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         """Call a method on every worker (here: the one model runner) and return their results."""
         if method not in self.runner.RPC_METHODS:
-            raise ValueError(f"{method!r} is not a worker RPC; allowed: {', '.join(self.runner.RPC_METHODS)}.")
+            raise ValueError(
+                f"{method!r} is not a worker RPC; allowed: {', '.join(self.runner.RPC_METHODS)}."
+            )
         return [getattr(self.runner, method)(*args, **(kwargs or {}))]
 
     def save_sharded_state(self, path: str) -> None:
