@@ -14,6 +14,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 RUNNERS = ("model", "null")
 START_METHODS = ("spawn", "forkserver", "fork")
 TRANSPORTS = ("ipc", "tcp")
+DP_BACKENDS = ("mp", "ray")
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -39,7 +40,9 @@ class EngineOptions:
     """KV cache budget; default 1 GiB unless num_kv_blocks is given."""
     enable_prefix_caching: bool = True
     seed: int = 0
-    multiprocess_mode: bool = field(default_factory=lambda: _env_flag("NANOSERVE_ENABLE_MULTIPROCESSING", True))
+    multiprocess_mode: bool = field(
+        default_factory=lambda: _env_flag("NANOSERVE_ENABLE_MULTIPROCESSING", True)
+    )
     """Run the engine core in a child process (the default, as in vLLM); NANOSERVE_ENABLE_MULTIPROCESSING=0
     or False selects the in-process engine."""
     device: str = "auto"
@@ -55,6 +58,14 @@ class EngineOptions:
     """ipc: Unix sockets in the temp dir; tcp: loopback ports chosen by the kernel."""
     shutdown_timeout: float = 0.0
     """Seconds an engine core keeps serving in-flight requests after SIGTERM before aborting them."""
+    data_parallel_size: int = 1
+    """Number of engine-core replicas (data-parallel ranks); more than one needs multiprocess_mode."""
+    data_parallel_rank: int | None = None
+    """With an external load balancer: the one rank this frontend serves. None otherwise."""
+    data_parallel_external_lb: bool = False
+    """True: one rank per frontend, an external balancer in front. False: this frontend balances all ranks."""
+    data_parallel_backend: str = "mp"
+    """mp: engine cores as child processes of the frontend. ray: Ray actors (not implemented yet)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -80,6 +91,29 @@ class EngineOptions:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}.")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}.")
+        self._validate_data_parallel()
+
+    def _validate_data_parallel(self) -> None:
+        size, rank = self.data_parallel_size, self.data_parallel_rank
+        if size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {size}.")
+        if self.data_parallel_backend not in DP_BACKENDS:
+            raise ValueError(
+                f"data_parallel_backend must be one of {DP_BACKENDS}, got {self.data_parallel_backend!r}."
+            )
+        if self.data_parallel_external_lb and rank is None:
+            raise ValueError(
+                "data_parallel_external_lb needs data_parallel_rank: the rank this frontend serves."
+            )
+        if rank is not None:
+            if not self.data_parallel_external_lb:
+                raise ValueError("data_parallel_rank is only meaningful with data_parallel_external_lb.")
+            if not 0 <= rank < size:
+                raise ValueError(f"data_parallel_rank must be in [0, {size}), got {rank}.")
+        if size > 1 and not self.multiprocess_mode:
+            raise ValueError(
+                "data_parallel_size > 1 needs multiprocess_mode: each rank is an engine-core process."
+            )
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> EngineOptions:
@@ -87,5 +121,7 @@ class EngineOptions:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise TypeError(f"Unknown engine option(s): {', '.join(unknown)}. Known: {', '.join(sorted(known))}.")
+            raise TypeError(
+                f"Unknown engine option(s): {', '.join(unknown)}. Known: {', '.join(sorted(known))}."
+            )
         return cls(model=model, **kwargs)

@@ -5,6 +5,8 @@ Sockets (the frontend binds both, this process connects):
           frontend's ROUTER. At start-up it sends the other way: one `EngineHandshakePhase` per phase
           (started, loading_weights, sizing_kv_cache), then `[phase "ready", EngineCoreReadyResponse]`.
   output  PUSH. Sends one encoded `EngineCoreOutputs` per message to the frontend's PULL.
+  stats   PUSH, data parallel only. Sends an `EngineLoad` to the coordinator's PULL whenever the queue
+          lengths or KV use in a step's stats change (never blocks: dropped if the coordinator is gone).
 Threads: the input thread receives and decodes into `input_queue`; the main thread runs the busy loop
 (drain inputs, step while there is work); the output thread encodes and sends, so (de)serialization
 overlaps the model step.
@@ -47,6 +49,7 @@ from nanoserve.wire.messages import (
     EngineCoreUtilityRequest,
     EngineDeathRecord,
     EngineHandshakePhase,
+    EngineLoad,
     FinishReason,
     UtilityOutput,
 )
@@ -73,7 +76,12 @@ def death_record(engine_rank: int, exc: BaseException) -> EngineDeathRecord:
 
 class EngineCoreProc:
     def __init__(
-        self, options: EngineOptions, engine_rank: int, input_address: str, output_address: str
+        self,
+        options: EngineOptions,
+        engine_rank: int,
+        input_address: str,
+        output_address: str,
+        stats_address: str | None = None,
     ) -> None:
         self.options = options
         self.engine_rank = engine_rank
@@ -89,6 +97,11 @@ class EngineCoreProc:
         self.output_socket.setsockopt(zmq.SNDHWM, 0)
         self.output_socket.setsockopt(zmq.LINGER, OUTPUT_LINGER_MS)
         self.output_socket.connect(output_address)
+        self.stats_socket: zmq.Socket | None = None
+        if stats_address is not None:
+            self.stats_socket = self.ctx.socket(zmq.PUSH)
+            self.stats_socket.setsockopt(zmq.LINGER, 0)
+            self.stats_socket.connect(stats_address)
         self._phase_encoder = MsgpackEncoder()
 
         self.input_queue: queue.Queue = queue.Queue()
@@ -322,6 +335,7 @@ class EngineCoreProc:
         socket = self.output_socket
         free: list[bytearray] = []
         in_flight: collections.deque[tuple[zmq.MessageTracker, bytearray]] = collections.deque()
+        last_load: tuple | None = None
         try:
             while True:
                 item = self.output_queue.get()
@@ -342,10 +356,22 @@ class EngineCoreProc:
                     tracker = socket.send(frames[0], zmq.SNDMORE, copy=False, track=True)
                     socket.send_multipart(frames[1:], copy=False)
                 in_flight.append((tracker, frames[0]))
+                stats = item.scheduler_stats
+                if self.stats_socket is not None and stats is not None:
+                    load = (stats.num_waiting_reqs, stats.num_running_reqs, round(stats.kv_cache_usage, 3))
+                    if load != last_load:
+                        last_load = load
+                        self._send_load(encoder, load)
         except Exception as e:
             self.input_queue.put_nowait((None, e))  # the busy loop dies with this cause
         finally:
             socket.close(linger=OUTPUT_LINGER_MS)
+            if self.stats_socket is not None:
+                self.stats_socket.close(linger=0)
+
+    def _send_load(self, encoder: MsgpackEncoder, load: tuple) -> None:
+        with contextlib.suppress(zmq.Again):
+            self.stats_socket.send(encoder.encode(EngineLoad(self.engine_rank, *load))[0], zmq.NOBLOCK)
 
     def _encode(self, encoder: MsgpackEncoder, outputs: EngineCoreOutputs, buf: bytearray) -> list:
         try:
@@ -376,6 +402,8 @@ class EngineCoreProc:
             if death is not None:
                 self._send_death_directly(death)
             self.output_socket.close(linger=OUTPUT_LINGER_MS)
+            if self.stats_socket is not None:
+                self.stats_socket.close(linger=0)
         if self._input_thread is not None:
             try:
                 self._stop_socket.send(b"", zmq.NOBLOCK)
@@ -458,7 +486,12 @@ def _setup_logging(engine_rank: int) -> None:
 
 
 def run_engine_core(
-    options: EngineOptions, engine_rank: int, input_address: str, output_address: str, parent_pid: int
+    options: EngineOptions,
+    engine_rank: int,
+    input_address: str,
+    output_address: str,
+    parent_pid: int,
+    stats_address: str | None = None,
 ) -> None:
     """Target of the engine-core child process. Exit code: 0 after a requested shutdown, 1 on failure."""
     _die_with_parent(parent_pid)
@@ -482,7 +515,7 @@ def run_engine_core(
     signal.signal(signal.SIGINT, on_signal)
 
     try:
-        proc = EngineCoreProc(options, engine_rank, input_address, output_address)
+        proc = EngineCoreProc(options, engine_rank, input_address, output_address, stats_address)
         proc.build_engine()
         proc.start_threads()
         proc.run_busy_loop()

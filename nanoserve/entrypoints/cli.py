@@ -11,12 +11,12 @@ import argparse
 import importlib
 import sys
 
-from nanoserve.config import DTYPES, RUNNERS, EngineOptions
+from nanoserve.config import DP_BACKENDS, DTYPES, RUNNERS, EngineOptions
 
 SUBCOMMANDS: dict[str, str] = {
     "generate": "nanoserve.entrypoints.cli",
-    # "serve": "nanoserve.entrypoints.openai.cli",  (others register here)
-    # "bench": "nanoserve.bench.cli",
+    "serve": "nanoserve.entrypoints.serve",
+    "bench": "nanoserve.bench.cli",
 }
 """Subcommand -> module defining `register(subparsers)`."""
 
@@ -45,11 +45,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         dest="multiprocess_mode",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="run the engine core in a child process (default: $NANOSERVE_ENABLE_MULTIPROCESSING or off)",
+        help="run the engine core in a child process (default: on unless NANOSERVE_ENABLE_MULTIPROCESSING=0)",
     )
     group.add_argument("--device", default=None, help="auto, cpu or cuda")
     group.add_argument("--num-threads", type=int, default=None)
     group.add_argument("--runner", choices=RUNNERS, default=None)
+    group.add_argument(
+        "--data-parallel-size", type=int, default=None, help="number of engine-core replicas (default 1)"
+    )
+    group.add_argument(
+        "--data-parallel-rank",
+        type=int,
+        default=None,
+        help="with --data-parallel-external-lb: the one rank this frontend serves",
+    )
+    group.add_argument(
+        "--data-parallel-external-lb",
+        action="store_true",
+        default=None,
+        help="one rank per frontend, balanced by an external load balancer",
+    )
+    group.add_argument("--data-parallel-backend", choices=DP_BACKENDS, default=None)
 
 
 def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:

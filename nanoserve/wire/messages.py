@@ -6,6 +6,8 @@ Engine -> frontend (PUSH -> PULL): one encoded `EngineCoreOutputs` per message, 
 dies, an `EngineCoreOutputs` carrying an `EngineDeathRecord` followed by the single frame
 `ENGINE_CORE_DEAD`. Start-up: the engine reports `EngineHandshakePhase`s and ends with an
 `EngineCoreReadyResponse`. The in-process client passes the same objects without encoding them.
+Data parallel: each engine pushes an `EngineLoad` to the coordinator when its counts change (PUSH ->
+PULL); the coordinator publishes a `DPLoadUpdate` to the frontends (PUB -> SUB).
 """
 
 from __future__ import annotations
@@ -119,3 +121,21 @@ class EngineCoreReadyResponse(msgspec.Struct, array_like=True, omit_defaults=Tru
     dtype: str
     max_num_seqs: int
     max_num_batched_tokens: int
+
+
+class EngineLoad(msgspec.Struct, array_like=True, gc=False):
+    """Engine -> data-parallel coordinator: this rank's queue lengths and KV use, sent when they change."""
+
+    engine_rank: int
+    num_waiting_reqs: int = 0
+    num_running_reqs: int = 0
+    kv_cache_usage: float = 0.0
+
+
+class DPLoadUpdate(msgspec.Struct, array_like=True, gc=False):
+    """Coordinator -> frontends: every rank's latest load, on change (at most every 100 ms) and as a
+    heartbeat when nothing changes."""
+
+    loads: list[EngineLoad]
+    seq: int
+    is_heartbeat: bool = False

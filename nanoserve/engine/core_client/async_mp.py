@@ -114,10 +114,12 @@ class AsyncMPClient(MPClient):
             raise outputs
         return outputs
 
-    def _send_input(self, request_type: EngineCoreRequestType, payload: Any) -> None:
+    def _send_input(
+        self, request_type: EngineCoreRequestType, payload: Any, engine: bytes | None = None
+    ) -> None:
         self.ensure_alive()
         self._ensure_output_task()
-        msg, has_buffers = self._encode_input(request_type, payload)
+        msg, has_buffers = self._encode_input(request_type, payload, engine)
         try:
             self._send_frames(msg, has_buffers)
         except zmq.ZMQError as e:
@@ -160,14 +162,14 @@ async def _process_outputs(
         while True:
             frames = await sock.recv_multipart(copy=False)
             while frames is not None:
-                resources.validate_alive(frames)
-                outputs: EngineCoreOutputs = decoder.decode(frames)
-                if outputs.utility_output is not None:
-                    process_utility_output(outputs.utility_output, utility_results)
-                elif outputs.death is not None:
-                    resources.death_record = outputs.death
-                else:
-                    outputs_queue.put_nowait(outputs)
+                if not resources.validate_alive(frames):
+                    outputs: EngineCoreOutputs = decoder.decode(frames)
+                    if outputs.utility_output is not None:
+                        process_utility_output(outputs.utility_output, utility_results)
+                    elif outputs.death is not None:
+                        resources.record_death(outputs.death)
+                    else:
+                        outputs_queue.put_nowait(outputs)
                 try:
                     frames = sync_view.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:

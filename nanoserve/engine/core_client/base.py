@@ -27,6 +27,11 @@ class EngineCoreClient(ABC):
         if multiprocess_mode and asyncio_mode:
             return EngineCoreClient.make_async_mp_client(options)
         if multiprocess_mode:
+            _check_backend(options)
+            if options.data_parallel_size > 1 and not options.data_parallel_external_lb:
+                from nanoserve.engine.core_client.dp import DPLBSyncMPClient
+
+                return DPLBSyncMPClient(options)
             from nanoserve.engine.core_client.sync_mp import SyncMPClient
 
             return SyncMPClient(options)
@@ -36,6 +41,15 @@ class EngineCoreClient(ABC):
 
     @staticmethod
     def make_async_mp_client(options: EngineOptions) -> EngineCoreClient:
+        """One engine: `AsyncMPClient`. Several, balanced here: `DPLBAsyncMPClient`. One rank of several,
+        with an external load balancer in front: `DPAsyncMPClient`."""
+        _check_backend(options)
+        if options.data_parallel_size > 1:
+            from nanoserve.engine.core_client.dp import DPAsyncMPClient, DPLBAsyncMPClient
+
+            if options.data_parallel_external_lb:
+                return DPAsyncMPClient(options)
+            return DPLBAsyncMPClient(options)
         from nanoserve.engine.core_client.async_mp import AsyncMPClient
 
         return AsyncMPClient(options)
@@ -105,8 +119,17 @@ class EngineCoreClient(ABC):
     async def is_sleeping_async(self) -> bool:
         return await self.call_utility_async("is_sleeping")
 
-    async def collective_rpc_async(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+    async def collective_rpc_async(
+        self, method: str, args: tuple = (), kwargs: dict | None = None
+    ) -> list[Any]:
         return await self.call_utility_async("collective_rpc", method, args, kwargs)
 
     async def save_sharded_state_async(self, path: str) -> None:
         await self.call_utility_async("save_sharded_state", path)
+
+
+def _check_backend(options: EngineOptions) -> None:
+    if options.data_parallel_backend != "mp":
+        raise NotImplementedError(
+            f"data_parallel_backend={options.data_parallel_backend!r} is not implemented yet; use 'mp'."
+        )

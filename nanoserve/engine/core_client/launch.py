@@ -11,6 +11,7 @@ its exit code and, when it could still send it, its death record (read from the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -50,6 +51,23 @@ TERMINATE_GRACE_S = 5.0
 """How long shutdown waits after SIGTERM (beyond the engine's own drain time) before SIGKILL."""
 
 
+def engine_identity(rank: int) -> bytes:
+    """The ROUTER identity of an engine rank (the engine sets the same on its DEALER)."""
+    return rank.to_bytes(2, "little")
+
+
+def engine_options(options: EngineOptions) -> EngineOptions:
+    """The options an engine process gets: with several data-parallel ranks on one machine, each takes
+    an equal share of the cores unless the user set `num_threads` (oversubscribed threads thrash)."""
+    if options.data_parallel_size == 1 or options.num_threads is not None:
+        return options
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return dataclasses.replace(options, num_threads=max(1, cpus // options.data_parallel_size))
+
+
 def ready_timeout_s() -> float:
     return float(os.environ.get(READY_TIMEOUT_ENV, DEFAULT_READY_TIMEOUT_S))
 
@@ -60,6 +78,8 @@ class EngineZmqAddresses:
     output: str
     ipc_paths: list[str] = field(default_factory=list)
     """Socket files to unlink at shutdown."""
+    stats: str | None = None
+    """Data parallel: the coordinator's PULL, where each engine pushes its load."""
 
 
 def make_socket(ctx: zmq.Context, socket_type: int, transport: str) -> tuple[zmq.Socket, str, str | None]:
@@ -91,11 +111,12 @@ class EngineProcManager:
         mp = multiprocessing.get_context(options.engine_start_method)
         self.options = options
         self.procs: dict[int, BaseProcess] = {}
+        per_engine = engine_options(options)
         for rank in ranks:
             proc = mp.Process(
                 target=run_engine_core,
                 name=f"EngineCore_{rank}",
-                args=(options, rank, addresses.input, addresses.output, os.getpid()),
+                args=(per_engine, rank, addresses.input, addresses.output, os.getpid(), addresses.stats),
                 daemon=True,
             )
             self.procs[rank] = proc

@@ -7,7 +7,9 @@ Subclasses own how outputs are read (a thread for `SyncMPClient`, an asyncio tas
 Death is seen three ways: the `ENGINE_CORE_DEAD` frame (after a death record carrying the cause), the
 monitor thread seeing an engine process exit, and an error on the output socket. Each marks
 `BackgroundResources.engine_dead`, fails every pending utility future and wakes every blocked
-`get_output` with the same `EngineDeadError`; sends fail at once from then on.
+`get_output` with the same `EngineDeadError`; sends fail at once from then on. With several engine
+ranks (data parallel), the death of one rank only marks that rank (`mark_rank_dead`); the client is dead
+once every rank is.
 
 Cleanup: `BackgroundResources` is the `weakref.finalize` callback, so engines, sockets and the context
 are reclaimed on `shutdown()`, on garbage collection, and when construction fails half-way.
@@ -23,11 +25,14 @@ import itertools
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
 from typing import Any
 
+import msgspec
 import zmq
 
 from nanoserve.config import EngineOptions
@@ -36,6 +41,7 @@ from nanoserve.engine.core_client.launch import (
     EngineProcManager,
     EngineZmqAddresses,
     dead_error,
+    engine_identity,
     make_socket,
     wait_for_engine_startup,
 )
@@ -65,6 +71,8 @@ class BackgroundResources:
     output_socket: zmq.Socket | None = None
     """None once the output reader owns it (the reader closes it)."""
     engine_manager: EngineProcManager | None = None
+    coordinator: BaseProcess | None = None
+    """Data parallel: the process that publishes every rank's load to the frontends."""
     ipc_paths: list[str] = field(default_factory=list)
     shutdown_path: str | None = None
     """Sync client: inproc address of the output thread's shutdown PAIR socket."""
@@ -77,6 +85,13 @@ class BackgroundResources:
     engine_dead: bool = False
     dead_error: EngineDeadError | None = None
     death_record: EngineDeathRecord | None = None
+    """The last death record received, from any rank."""
+    ranks: list[int] = field(default_factory=lambda: [0])
+    dead_ranks: dict[int, EngineDeadError] = field(default_factory=dict)
+    """Only used with several ranks: the ranks that died while others live on."""
+    death_records: dict[int, EngineDeathRecord] = field(default_factory=dict)
+    on_rank_dead: Callable[[int, EngineDeadError], None] | None = None
+    """Data-parallel clients: fails the dead rank's requests and utility calls (any thread)."""
     death_event: threading.Event = field(default_factory=threading.Event)
     shutting_down: bool = False
     closed: bool = False
@@ -100,6 +115,10 @@ class BackgroundResources:
     def _release(self) -> None:
         if self.engine_manager is not None:
             self.engine_manager.shutdown()
+        if self.coordinator is not None:
+            from nanoserve.engine.core_client.coordinator import stop_coordinator
+
+            stop_coordinator(self.coordinator)
         if not self.engine_dead:
             self.mark_dead(EngineDeadError("The engine core client has been shut down."), quiet=True)
         self.stop_output_reader()
@@ -149,15 +168,51 @@ class BackgroundResources:
             stop()
         self.async_output_socket = None
 
-    def validate_alive(self, frames: Sequence[Any]) -> None:
-        if (
+    def record_death(self, record: EngineDeathRecord) -> None:
+        self.death_records[record.engine_rank] = record
+        self.death_record = record
+
+    def validate_alive(self, frames: Sequence[Any]) -> bool:
+        """False for an ordinary message. The death frame raises `EngineDeadError` when it ends the
+        client; the death frame of one rank among several marks that rank and returns True (skip it)."""
+        if not (
             len(frames) == 1
             and len(frames[0]) == len(ENGINE_CORE_DEAD)
             and _frame_bytes(frames[0]) == ENGINE_CORE_DEAD
         ):
-            manager = self.engine_manager
-            exit_code = manager.exit_code(0) if manager is not None else None
-            raise self.mark_dead(dead_error(0, exit_code, self.death_record))
+            return False
+        # a PULL socket does not say which peer sent a frame: the dying rank's record came just before
+        record = self.death_record
+        if record is None and len(self.ranks) > 1:
+            return True  # cannot tell which rank: the monitor will see its process exit
+        rank = record.engine_rank if record is not None else self.ranks[0]
+        manager = self.engine_manager
+        exit_code = manager.exit_code(rank) if manager is not None else None
+        error = self.mark_rank_dead(rank, dead_error(rank, exit_code, self.death_records.get(rank, record)))
+        if self.engine_dead:
+            raise error
+        return True
+
+    def mark_rank_dead(self, rank: int, error: EngineDeadError) -> EngineDeadError:
+        """One rank is gone. With one rank that is the client's death; with several the others serve on
+        until the last one dies."""
+        if len(self.ranks) <= 1:
+            return self.mark_dead(error)
+        with self.lock:
+            known = self.dead_ranks.get(rank)
+            if known is not None:
+                if known.exit_code is None:
+                    known.exit_code = error.exit_code
+                return known
+            self.dead_ranks[rank] = error
+            all_dead = len(self.dead_ranks) == len(self.ranks)
+        if all_dead:
+            return self.mark_dead(error)
+        if not self.shutting_down:
+            logger.error("%s; the other engine ranks keep serving", error)
+        if self.on_rank_dead is not None:
+            self.on_rank_dead(rank, error)
+        return error
 
     def mark_dead(self, error: EngineDeadError, quiet: bool = False) -> EngineDeadError:
         """Record the first death; fail everything waiting on the engine. Returns the error in force."""
@@ -188,23 +243,39 @@ def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
 
 
 def _monitor_engines(resources: BackgroundResources, manager: EngineProcManager) -> None:
-    """Wait for any engine process to exit; unless we are shutting down, that is a death."""
+    """Wait for engine processes to exit; unless we are shutting down, each exit is a rank's death.
+    Returns once the client is dead (every rank gone) or shutting down."""
     import multiprocessing.connection
 
     sentinels = manager.sentinels()
-    ready = multiprocessing.connection.wait(list(sentinels))
-    if resources.shutting_down:
+    while sentinels:
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if resources.shutting_down:
+            return
+        for sentinel in ready:
+            rank = sentinels.pop(sentinel)
+            manager.procs[rank].join(1)
+            exit_code = manager.exit_code(rank)
+            if exit_code is not None and exit_code > 0:
+                # a crash, not a kill: its death record may still be on its way through the output socket
+                _wait_for_death_record(resources, rank)
+            record = resources.death_records.get(rank)
+            resources.mark_rank_dead(rank, dead_error(rank, exit_code, record))
+        if resources.engine_dead:
+            if not resources.shutting_down:
+                manager.shutdown()  # stop whatever is left
+                resources.stop_output_reader()
+            return
+
+
+def _wait_for_death_record(resources: BackgroundResources, rank: int) -> None:
+    if len(resources.ranks) <= 1:
+        if not resources.death_event.is_set():
+            resources.death_event.wait(DEATH_RECORD_WAIT_S)
         return
-    rank = sentinels[ready[0]]
-    manager.procs[rank].join(1)
-    exit_code = manager.exit_code(rank)
-    if exit_code is not None and exit_code > 0 and not resources.death_event.is_set():
-        # a crash, not a kill: its death record may still be on its way through the output socket
-        resources.death_event.wait(DEATH_RECORD_WAIT_S)
-    resources.mark_dead(dead_error(rank, exit_code, resources.death_record))
-    if not resources.shutting_down:
-        manager.shutdown()  # other ranks cannot serve without this one
-        resources.stop_output_reader()
+    deadline = time.monotonic() + DEATH_RECORD_WAIT_S
+    while rank not in resources.dead_ranks and not resources.engine_dead and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _fail_future(future: Any, error: BaseException) -> None:
@@ -237,8 +308,11 @@ class MPClient(EngineCoreClient):
             self.resources.ipc_paths = [p for p in (input_path, output_path) if p]
             self.input_socket = input_socket
             self.addresses = addresses = EngineZmqAddresses(input_address, output_address)
-            self.engine_ranks = [0]
-            self.core_engine = (0).to_bytes(2, "little")
+            self.engine_ranks = self._engine_ranks(options)
+            self.core_engines = [engine_identity(rank) for rank in self.engine_ranks]
+            self.core_engine = self.core_engines[0]
+            self.resources.ranks = list(self.engine_ranks)
+            self._start_coordinator(addresses)
             manager = EngineProcManager(options, addresses, self.engine_ranks)
             self.resources.engine_manager = manager
             sync_view = zmq.Socket.shadow(output_socket.underlying)
@@ -250,10 +324,26 @@ class MPClient(EngineCoreClient):
             if not success:
                 self._finalizer()
 
+    def _start_coordinator(self, addresses: EngineZmqAddresses) -> None:
+        """Data parallel with internal balancing starts its coordinator here, before the engines."""
+
+    def _engine_ranks(self, options: EngineOptions) -> list[int]:
+        """The ranks this client launches and talks to: one, its own rank behind an external balancer."""
+        return [options.data_parallel_rank or 0]
+
     def _apply_ready_response(self, responses: dict[int, EngineCoreReadyResponse]) -> None:
-        """Keep what the engines computed; the user's options are left as given."""
+        """Keep what the engines computed; the user's options are left as given. Over several ranks the
+        capacity is the sum of their KV blocks, and the longest sequence is what every rank can hold."""
         self.ready_responses = responses
-        self.ready_response = responses[self.engine_ranks[0]]
+        first = responses[self.engine_ranks[0]]
+        if len(responses) == 1:
+            self.ready_response = first
+            return
+        self.ready_response = msgspec.structs.replace(
+            first,
+            num_kv_blocks=sum(r.num_kv_blocks for r in responses.values()),
+            max_model_len=min(r.max_model_len for r in responses.values()),
+        )
 
     def _output_context(self, ctx: zmq.Context) -> zmq.Context:
         return ctx
@@ -290,9 +380,11 @@ class MPClient(EngineCoreClient):
         """Stop the engines and free every resource; idempotent, bounded by the engines' drain time."""
         self._finalizer()
 
-    def _encode_input(self, request_type: EngineCoreRequestType, payload: Any) -> tuple[list, bool]:
+    def _encode_input(
+        self, request_type: EngineCoreRequestType, payload: Any, engine: bytes | None = None
+    ) -> tuple[list, bool]:
         frames = self.encoder.encode(payload)
-        return [self.core_engine, request_type.value, *frames], len(frames) > 1
+        return [engine or self.core_engine, request_type.value, *frames], len(frames) > 1
 
     def _send_frames(self, msg: list, has_buffers: bool) -> None:
         """Send one message; one with out-of-band buffers is tracked frame by frame and kept in

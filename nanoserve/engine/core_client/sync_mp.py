@@ -83,9 +83,11 @@ class SyncMPClient(MPClient):
             raise outputs
         return outputs
 
-    def _send_input(self, request_type: EngineCoreRequestType, payload: Any) -> None:
+    def _send_input(
+        self, request_type: EngineCoreRequestType, payload: Any, engine: bytes | None = None
+    ) -> None:
         self.ensure_alive()
-        msg, has_buffers = self._encode_input(request_type, payload)
+        msg, has_buffers = self._encode_input(request_type, payload, engine)
         with self._send_lock:
             self.ensure_alive()
             try:
@@ -134,12 +136,13 @@ def _process_outputs_socket(
             # drain what is there before polling again: one poll per burst, not per message
             while out_socket.get(zmq.EVENTS) & zmq.POLLIN:
                 frames = out_socket.recv_multipart(copy=False)
-                resources.validate_alive(frames)
+                if resources.validate_alive(frames):
+                    continue
                 outputs: EngineCoreOutputs = decoder.decode(frames)
                 if outputs.utility_output is not None:
                     process_utility_output(outputs.utility_output, utility_results)
                 elif outputs.death is not None:
-                    resources.death_record = outputs.death
+                    resources.record_death(outputs.death)
                 else:
                     outputs_queue.put_nowait(outputs)
     except EngineDeadError:

@@ -1,0 +1,176 @@
+"""The data-parallel coordinator: one small process that gathers every engine rank's load and publishes
+it to the frontends.
+
+Sockets (bound here, endpoints reported to the parent through a pipe at start):
+  stats    PULL. Each engine pushes an `EngineLoad` when its waiting / running counts or KV use change.
+  publish  PUB. Sends a `DPLoadUpdate` (every rank's latest load) when something changed, at most once
+           per `PUBLISH_INTERVAL_S`, and a heartbeat every `HEARTBEAT_INTERVAL_S` when nothing did.
+A frontend subscribes (`LoadSubscriber`) and folds the counts into its load balancer; they tell it
+about requests that other frontends sent to the same engines. Losing the coordinator costs only that:
+the engines' own outputs still carry their stats. It exits on SIGTERM, and when its parent is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+
+import zmq
+
+from nanoserve.wire.codec import MsgpackDecoder, MsgpackEncoder
+from nanoserve.wire.messages import DPLoadUpdate, EngineLoad
+
+PUBLISH_INTERVAL_S = 0.1
+HEARTBEAT_INTERVAL_S = 1.0
+PARENT_CHECK_S = 0.5
+START_TIMEOUT_S = 30.0
+
+
+def should_publish(changed: bool, now: float, last_publish: float) -> bool:
+    """On change, no more often than every PUBLISH_INTERVAL_S; otherwise a heartbeat now and then."""
+    since = now - last_publish
+    return (changed and since >= PUBLISH_INTERVAL_S) or since >= HEARTBEAT_INTERVAL_S
+
+
+def _bind(sock: zmq.Socket, transport: str) -> tuple[str, str | None]:
+    if transport == "tcp":
+        sock.bind("tcp://127.0.0.1:0")
+        path = None
+    else:
+        path = os.path.join(tempfile.gettempdir(), f"nanoserve-dp-{uuid.uuid4().hex[:16]}")
+        sock.bind(f"ipc://{path}")
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode(), path
+
+
+def run_coordinator(ranks: list[int], transport: str, conn, parent_pid: int) -> None:
+    """Target of the coordinator process."""
+    ctx = zmq.Context()
+    pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
+    paths = []
+    try:
+        for sock in (pull, pub):
+            sock.setsockopt(zmq.LINGER, 0)
+        stats_address, stats_path = _bind(pull, transport)
+        publish_address, publish_path = _bind(pub, transport)
+        paths = [p for p in (stats_path, publish_path) if p]
+        conn.send((stats_address, publish_address))
+        conn.close()
+        _serve(pull, pub, ranks, parent_pid)
+    finally:
+        pull.close(linger=0)
+        pub.close(linger=0)
+        ctx.term()
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _serve(pull: zmq.Socket, pub: zmq.Socket, ranks: list[int], parent_pid: int) -> None:
+    decoder, encoder = MsgpackDecoder(EngineLoad), MsgpackEncoder()
+    loads = {rank: EngineLoad(rank) for rank in ranks}
+    changed, last_publish, seq = False, 0.0, 0
+    parent = os.getppid()
+    next_parent_check = time.monotonic() + PARENT_CHECK_S
+    while True:
+        now = time.monotonic()
+        wait = (PUBLISH_INTERVAL_S if changed else HEARTBEAT_INTERVAL_S) - (now - last_publish)
+        if pull.poll(max(0.0, min(wait, PARENT_CHECK_S)) * 1000):
+            while pull.get(zmq.EVENTS) & zmq.POLLIN:
+                load = decoder.decode([pull.recv(copy=False)])
+                changed = changed or load != loads.get(load.engine_rank)
+                loads[load.engine_rank] = load
+        now = time.monotonic()
+        if should_publish(changed, now, last_publish):
+            seq += 1
+            update = DPLoadUpdate([loads[r] for r in sorted(loads)], seq, is_heartbeat=not changed)
+            pub.send(encoder.encode(update)[0])
+            changed, last_publish = False, now
+        if now >= next_parent_check:
+            next_parent_check = now + PARENT_CHECK_S
+            if os.getppid() != parent or not _alive(parent_pid):
+                return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def start_coordinator(ranks: list[int], transport: str, start_method: str) -> tuple[BaseProcess, str, str]:
+    """Start the coordinator; returns it with its stats and publish endpoints."""
+    from nanoserve.engine.core_client.launch import _main_module_hidden
+
+    mp = multiprocessing.get_context(start_method)
+    parent_conn, child_conn = mp.Pipe(duplex=False)
+    proc = mp.Process(
+        target=run_coordinator,
+        name="DPCoordinator",
+        args=(list(ranks), transport, child_conn, os.getpid()),
+        daemon=True,
+    )
+    with _main_module_hidden(start_method):
+        proc.start()
+    child_conn.close()
+    try:
+        if not parent_conn.poll(START_TIMEOUT_S):
+            raise TimeoutError(f"The data-parallel coordinator did not start within {START_TIMEOUT_S:g} s.")
+        stats_address, publish_address = parent_conn.recv()
+    except BaseException:
+        stop_coordinator(proc)
+        raise
+    finally:
+        parent_conn.close()
+    return proc, stats_address, publish_address
+
+
+def stop_coordinator(proc: BaseProcess) -> None:
+    if proc.exitcode is None:
+        proc.terminate()
+        proc.join(2)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join(2)
+
+
+class LoadSubscriber:
+    """A daemon thread on the frontend that hands each `DPLoadUpdate` to `on_update`. It holds no
+    reference to the client; it ends (closing its socket) once `is_closing()` says so."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        on_update: Callable[[DPLoadUpdate], None],
+        is_closing: Callable[[], bool],
+    ) -> None:
+        self.sock = ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(address)
+        self.thread = threading.Thread(
+            target=self._run, args=(on_update, is_closing), name="DPLoadSubscriber", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, on_update: Callable[[DPLoadUpdate], None], is_closing: Callable[[], bool]) -> None:
+        decoder = MsgpackDecoder(DPLoadUpdate)
+        try:
+            while not is_closing():
+                if self.sock.poll(PUBLISH_INTERVAL_S * 1000):
+                    on_update(decoder.decode([self.sock.recv(copy=False)]))
+        except zmq.ZMQError:
+            pass  # the context is going away
+        finally:
+            self.sock.close(linger=0)
