@@ -39,16 +39,23 @@ def time_nanoserve(llm, prompts: list[list[int]], new_tokens: int) -> float:
 
 
 def load_transformers(model_path: str, dtype: torch.dtype):
+    """A plain transformers model in `dtype`. A GGUF file is dequantized in float32 first and copied
+    into a fresh model, as the baselines were measured: loaded straight in bf16, transformers keeps
+    GGUF weights quantized and computes through a different, slower path."""
     import os
 
     from transformers import AutoModelForCausalLM
 
-    if model_path.endswith(".gguf"):
-        model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=dtype
-        )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    if not model_path.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    dequantized = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32
+    )
+    config = dequantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(dequantized.state_dict())
     return model.eval()
 
 
