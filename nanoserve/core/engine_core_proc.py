@@ -418,7 +418,11 @@ class EngineCoreProc:
                 self.engine.shutdown()
             except Exception:
                 logger.exception("engine core %d: error while shutting the engine down", self.engine_rank)
-        self.ctx.term()
+        stuck = [t.name for t in (self._input_thread, self._output_thread) if t is not None and t.is_alive()]
+        if stuck:  # their sockets are still open, so term() would wait for ever; the process exit frees them
+            logger.warning("engine core %d: %s did not stop", self.engine_rank, ", ".join(stuck))
+            return
+        self.ctx.term()  # returns once the output socket has flushed (or its linger has run out)
 
     def _send_death_directly(self, death: BaseException) -> None:
         try:
@@ -528,7 +532,19 @@ def run_engine_core(
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if proc is not None:
             proc.close(death=e)
-        sys.exit(1)
+        _exit(1)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     proc.close()
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """Exit without interpreter teardown: the sockets are closed and the output flushed, and what is
+    left (daemon I/O threads, OpenMP workers, torch's atexit hooks) can only delay or hang the exit
+    that the frontend is waiting on."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

@@ -349,14 +349,13 @@ def test_shutdown_is_idempotent_bounded_and_final():
 def test_sigterm_drains_then_exits_zero():
     client = SyncMPClient(EngineOptions(runner="null", shutdown_timeout=10))
     try:
-        proc = client.resources.engine_manager.procs[0]
+        manager = client.resources.engine_manager
         client.add_request(EngineCoreRequest("d", [1, 2], SamplingParams(max_tokens=200, ignore_eos=True)))
         seen = len(client.get_output(timeout=10).outputs[0].new_token_ids)
-        os.kill(proc.pid, 15)
+        os.kill(manager.pids()[0], 15)
         tokens, reason = drain_until_finished(client, "d")
         assert reason == FinishReason.LENGTH and seen + len(tokens) == 200
-        proc.join(10)
-        assert proc.exitcode == 0
+        assert manager.wait(0, 10) == 0
     finally:
         client.shutdown()
 

@@ -103,7 +103,12 @@ def make_socket(ctx: zmq.Context, socket_type: int, transport: str) -> tuple[zmq
 
 
 class EngineProcManager:
-    """The engine-core child processes of one client: start, watch, stop."""
+    """The engine-core child processes of one client: start, watch, stop.
+
+    Every wait for a child goes through one lock. The monitor thread and `shutdown` may wait for the
+    same child at once, and of two concurrent waitpid calls only one gets the exit status: the other
+    would read the child as still running, and shutdown would SIGKILL a process that already exited 0.
+    """
 
     def __init__(self, options: EngineOptions, addresses: EngineZmqAddresses, ranks: list[int]) -> None:
         from nanoserve.core.engine_core_proc import run_engine_core
@@ -111,6 +116,7 @@ class EngineProcManager:
         mp = multiprocessing.get_context(options.engine_start_method)
         self.options = options
         self.procs: dict[int, BaseProcess] = {}
+        self._reap_lock = threading.Lock()
         per_engine = engine_options(options)
         for rank in ranks:
             proc = mp.Process(
@@ -127,30 +133,41 @@ class EngineProcManager:
         return {proc.sentinel: rank for rank, proc in self.procs.items()}
 
     def exit_code(self, rank: int) -> int | None:
-        return self.procs[rank].exitcode
+        with self._reap_lock:
+            return self.procs[rank].exitcode
+
+    def wait(self, rank: int, timeout: float) -> int | None:
+        """The exit code of `rank` once its process has ended, or None if it is still running after
+        `timeout` seconds."""
+        proc = self.procs[rank]
+        multiprocessing.connection.wait([proc.sentinel], timeout)
+        with self._reap_lock:
+            proc.join(timeout=1)  # the sentinel fires just before the exit status can be reaped
+            return proc.exitcode
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs.values() if p.pid is not None]
 
     def finished(self) -> dict[int, int]:
         """Ranks whose process has exited, with their exit codes."""
-        return {rank: p.exitcode for rank, p in self.procs.items() if p.exitcode is not None}
+        with self._reap_lock:
+            exit_codes = {rank: p.exitcode for rank, p in self.procs.items()}
+        return {rank: code for rank, code in exit_codes.items() if code is not None}
 
     def shutdown(self, timeout: float | None = None) -> None:
         """SIGTERM every engine, wait for the drain, SIGKILL what is left. Bounded and idempotent."""
         if timeout is None:
             timeout = self.options.shutdown_timeout + TERMINATE_GRACE_S
-        alive = [p for p in self.procs.values() if p.exitcode is None]
-        for proc in alive:
-            _signal(proc, signal.SIGTERM)
+        alive = [rank for rank in self.procs if rank not in self.finished()]
+        for rank in alive:
+            _signal(self.procs[rank], signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for proc in alive:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in alive:
-            if proc.exitcode is None:
+        for rank in alive:
+            if self.wait(rank, max(0.0, deadline - time.monotonic())) is None:
+                proc = self.procs[rank]
                 logger.warning("engine core %s did not stop within %.1f s; killing it", proc.name, timeout)
                 _signal(proc, signal.SIGKILL)
-                proc.join(5)
+                self.wait(rank, 5)
 
 
 @contextlib.contextmanager

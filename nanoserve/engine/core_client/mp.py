@@ -254,8 +254,7 @@ def _monitor_engines(resources: BackgroundResources, manager: EngineProcManager)
             return
         for sentinel in ready:
             rank = sentinels.pop(sentinel)
-            manager.procs[rank].join(1)
-            exit_code = manager.exit_code(rank)
+            exit_code = manager.wait(rank, 1)
             if exit_code is not None and exit_code > 0:
                 # a crash, not a kill: its death record may still be on its way through the output socket
                 _wait_for_death_record(resources, rank)
