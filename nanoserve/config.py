@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 RUNNERS = ("model", "null")
+QUANTIZATIONS = ("none", "int4")
 START_METHODS = ("spawn", "forkserver", "fork")
 TRANSPORTS = ("ipc", "tcp")
 DP_BACKENDS = ("mp", "ray")
@@ -49,6 +50,9 @@ class EngineOptions:
     """auto: cuda when available, else cpu."""
     num_threads: int | None = None
     """torch intra-op threads for the engine; None uses all cores the process may run on."""
+    quantization: str = "none"
+    """int4: weight-only int4 for small steps on CPU (decode at low batch), bf16 for the rest; see
+    nanoserve.model.quant."""
     runner: str = "model"
     """model: the real transformer. null: a model-free runner (one token per request per step) used by
     the IPC benchmark and client tests."""
@@ -65,11 +69,17 @@ class EngineOptions:
     data_parallel_external_lb: bool = False
     """True: one rank per frontend, an external balancer in front. False: this frontend balances all ranks."""
     data_parallel_backend: str = "mp"
-    """mp: engine cores as child processes of the frontend. ray: Ray actors (not implemented yet)."""
+    """mp: engine cores as child processes of the frontend. ray: Ray actors, one placement group per rank,
+    on this machine or across a Ray cluster (needs the `ray` extra)."""
+    ray_address: str | None = None
+    """data_parallel_backend="ray": the Ray cluster to join; None starts a local one (or uses the Ray this
+    process is already connected to)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}.")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}.")
         if self.engine_start_method not in START_METHODS:
@@ -110,6 +120,10 @@ class EngineOptions:
                 raise ValueError("data_parallel_rank is only meaningful with data_parallel_external_lb.")
             if not 0 <= rank < size:
                 raise ValueError(f"data_parallel_rank must be in [0, {size}), got {rank}.")
+        if self.ray_address is not None and self.data_parallel_backend != "ray":
+            raise ValueError("ray_address is only meaningful with data_parallel_backend='ray'.")
+        if self.data_parallel_backend == "ray" and not self.multiprocess_mode:
+            raise ValueError("data_parallel_backend='ray' needs multiprocess_mode: each rank is a Ray actor.")
         if size > 1 and not self.multiprocess_mode:
             raise ValueError(
                 "data_parallel_size > 1 needs multiprocess_mode: each rank is an engine-core process."

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         "--engines",
         default="mp,transformers",
         help="comma-separated, first is the reference for ratios: mp (engine core in a child process), "
-        "inproc (same process), transformers",
+        "inproc (same process), either with -int4 (e.g. mp-int4: --quantization int4), transformers",
     )
     parser.add_argument("--profile", action="store_true", help="write a torch profiler trace of a decode run")
     args = parser.parse_args(argv)
@@ -103,12 +103,17 @@ def main(argv: list[str] | None = None) -> None:
     model_path = resolve_model_path(args.model)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     names = args.engines.split(",")
-    unknown = set(names) - {"mp", "inproc", "transformers"}
+    unknown = set(names) - {"mp", "inproc", "mp-int4", "inproc-int4", "transformers"}
     if unknown:
         parser.error(f"unknown engine(s): {', '.join(sorted(unknown))}")
     tokenizer = load_tokenizer(model_path)
     llms = {
-        n: LLM(model=model_path, dtype=args.dtype, multiprocess_mode=n == "mp")
+        n: LLM(
+            model=model_path,
+            dtype=args.dtype,
+            multiprocess_mode=n.startswith("mp"),
+            quantization="int4" if n.endswith("-int4") else "none",
+        )
         for n in names
         if n != "transformers"
     }
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy; "
         f"tok/s as median (min-max) of {args.repeats}\n"
     )
-    labels = {"mp": "nanoserve (mp)", "inproc": "nanoserve (inproc)", "transformers": "transformers"}
+    labels = {n: f"nanoserve ({n})" for n in names} | {"transformers": "transformers"}
     header = f"{'batch':>5}" + "".join(f"  {labels[n]:>20}" for n in names)
     header += "".join(f"  {names[0] + '/' + n:>18}" for n in names[1:])
     print(header)

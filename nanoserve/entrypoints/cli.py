@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from nanoserve.config import DP_BACKENDS, DTYPES, RUNNERS, EngineOptions
+from nanoserve.config import DP_BACKENDS, DTYPES, QUANTIZATIONS, RUNNERS, EngineOptions
 
 SUBCOMMANDS: dict[str, str] = {
     "generate": "nanoserve.entrypoints.cli",
@@ -49,6 +49,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--device", default=None, help="auto, cpu or cuda")
     group.add_argument("--num-threads", type=int, default=None)
+    group.add_argument(
+        "--quantization", choices=QUANTIZATIONS, default=None, help="int4: int4 weights for decode (CPU)"
+    )
     group.add_argument("--runner", choices=RUNNERS, default=None)
     group.add_argument(
         "--data-parallel-size", type=int, default=None, help="number of engine-core replicas (default 1)"
@@ -65,7 +68,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="one rank per frontend, balanced by an external load balancer",
     )
-    group.add_argument("--data-parallel-backend", choices=DP_BACKENDS, default=None)
+    group.add_argument(
+        "--data-parallel-backend",
+        choices=DP_BACKENDS,
+        default=None,
+        help="mp: engine-core child processes (default); ray: Ray actors, on this machine or a Ray cluster",
+    )
+    group.add_argument(
+        "--ray-address", default=None, help="with --data-parallel-backend ray: the Ray cluster to join"
+    )
 
 
 def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:

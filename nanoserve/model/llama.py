@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from nanoserve.model.attention import AttentionMetadata, paged_attention
 from nanoserve.model.config import ModelConfig
+from nanoserve.model.quant import INT4_MAX_TOKENS, Int4Weight, int4_linear, quantize_int4
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[Tensor, float]:
@@ -107,11 +108,18 @@ class Linear(nn.Linear):
     """
 
     packed: Tensor | None = None
+    int4: Int4Weight | None = None
 
     def prepack(self) -> None:
         self.packed = _pack(self.weight)
 
+    def quantize_int4(self) -> None:
+        self.int4 = quantize_int4(self.weight)
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:
+            out = int4_linear(x, self.int4)
+            return out if self.bias is None else out + self.bias
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -212,6 +220,15 @@ class LlamaForCausalLM(nn.Module):
                 module.prepack()
         if self.lm_head is None:
             self.packed_embed = _pack(self.embed_tokens.weight)
+
+    def quantize_int4(self) -> None:
+        """Add int4 copies of the decoder layers' matmul weights for small steps (see
+        nanoserve.model.quant). The lm_head stays as it is: logits are where 4-bit error shows most
+        (the bundled GGUF ships its embedding, which is its lm_head, in 8 bits for that reason)."""
+        for layer in self.layers:
+            for module in layer.modules():
+                if isinstance(module, Linear):
+                    module.quantize_int4()
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> float32 [N, vocab]."""

@@ -14,6 +14,7 @@ import torch
 
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.llama import LlamaForCausalLM, cpu_prepack_supported
+from nanoserve.model.quant import int4_supported
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _QUANT_SUFFIX = re.compile(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORECASE)
@@ -61,7 +62,9 @@ def load_model_config(path: str) -> ModelConfig:
     return ModelConfig.from_hf(json.loads(config_file.read_text()), _model_name(path))
 
 
-def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_model(
+    path: str, config: ModelConfig, dtype: torch.dtype, device: torch.device, quantization: str = "none"
+) -> LlamaForCausalLM:
     weights = _gguf_weights(path, config) if _is_gguf(path) else _hf_weights(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -84,6 +87,12 @@ def load_model(path: str, config: ModelConfig, dtype: torch.dtype, device: torch
     model.requires_grad_(False).eval()
     if cpu_prepack_supported(dtype, device):
         model.prepack_for_cpu()
+    if quantization == "int4":
+        if not int4_supported(device):
+            raise ValueError(
+                f"quantization 'int4' needs a CPU device and torch's CPU int4 kernel; got {device}."
+            )
+        model.quantize_int4()
     return model
 
 

@@ -51,7 +51,9 @@ class ModelRunner:
         self._offloaded: dict[str, torch.Tensor] | None = None
 
     def _load(self) -> torch.nn.Module:
-        return load_model(self.model_path, self.config, self.dtype, self.device).eval()
+        return load_model(
+            self.model_path, self.config, self.dtype, self.device, self.options.quantization
+        ).eval()
 
     # -- KV cache and memory ------------------------------------------------------------------
 
