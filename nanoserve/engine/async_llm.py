@@ -7,7 +7,8 @@ and routes each `RequestOutput` to its request's stream. A consumer that stops e
 `aclose()`, a client that went away) aborts its request in the engine, freeing its KV blocks.
 
 When the engine dies the handler pushes the `EngineDeadError` into every open stream, `errored` turns
-true, and every later call raises that error. Prompts are tokenized on one worker thread, so a long
+true, and every later call raises that error. When one data-parallel rank dies while others live, only
+the requests it held get its `EngineDeadError`; `dead_ranks` names the dead ranks (/health reports them). Prompts are tokenized on one worker thread, so a long
 prompt never blocks the event loop (one thread: the Rust tokenizer is not shared between threads).
 """
 
@@ -153,6 +154,11 @@ class AsyncLLM:
         return self.dead_error is not None
 
     @property
+    def dead_ranks(self) -> dict[int, EngineDeadError]:
+        """Data parallel: ranks that died while others still serve, with why."""
+        return self.engine_core.dead_rank_errors() if self.engine_core is not None else {}
+
+    @property
     def is_running(self) -> bool:
         return self._output_handler is not None and not self._output_handler.done()
 
@@ -262,6 +268,11 @@ class AsyncLLM:
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests (unknown or finished ids are ignored); their streams end with no more outputs."""
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        await self._abort_in_engine(self._forget(request_ids, "abort"))
+
+    def _forget(self, request_ids: list[str], finish_reason: str) -> list[str]:
+        """Stop tracking requests (counted as finished for that reason); returns the engine request ids
+        still running for them."""
         engine_ids = self.output_processor.abort_requests(request_ids)
         stats = IterationStats()
         now = time.monotonic()
@@ -271,13 +282,16 @@ class AsyncLLM:
             if timing is not None:
                 stats.finished.append(
                     FinishedRequestStats(
-                        "abort",
+                        finish_reason,
                         now - timing.arrival_time,
                         timing.num_prompt_tokens,
                         timing.num_generation_tokens,
                     )
                 )
         self._log_stats(None, stats)
+        return engine_ids
+
+    async def _abort_in_engine(self, engine_ids: list[str]) -> None:
         if engine_ids and self.dead_error is None and self.engine_core is not None:
             try:
                 await self.engine_core.abort_requests_async(engine_ids)
@@ -291,6 +305,9 @@ class AsyncLLM:
             while True:
                 engine_outputs = await self.engine_core.get_output_async()
                 self.last_output_time = time.monotonic()
+                if engine_outputs.death is not None:
+                    await self._fail_dead_rank(engine_outputs)
+                    continue
                 self.last_scheduler_stats = engine_outputs.scheduler_stats or self.last_scheduler_stats
                 outputs = engine_outputs.outputs
                 for start in range(0, max(len(outputs), 1), OUTPUT_SLICE_SIZE):
@@ -346,6 +363,24 @@ class AsyncLLM:
         if to_abort:
             await self.engine_core.abort_requests_async(to_abort)
         self._log_stats(engine_outputs.scheduler_stats if last else None, stats)
+
+    async def _fail_dead_rank(self, engine_outputs: EngineCoreOutputs) -> None:
+        """A data-parallel rank died holding these requests: each one's consumer gets the rank's
+        `EngineDeadError`, as with a whole engine's death, while the other ranks serve on. Samples of the
+        same requests (n > 1) on live ranks are aborted there."""
+        death = engine_outputs.death
+        error = self.engine_core.dead_rank_errors().get(death.engine_rank) or EngineDeadError(
+            death.message, engine_rank=death.engine_rank
+        )
+        request_ids = []
+        for output in engine_outputs.outputs:
+            state = self.output_processor.engine_to_request.get(output.request_id)
+            if state is not None and state.request_id not in request_ids:
+                request_ids.append(state.request_id)
+                stream = self.streams.get(state.request_id)
+                if stream is not None:
+                    stream.put(error)
+        await self._abort_in_engine(self._forget(request_ids, "error"))
 
     def _log_stats(self, scheduler_stats: SchedulerStats | None, stats: IterationStats) -> None:
         for stat_logger in self.stat_loggers:

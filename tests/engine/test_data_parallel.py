@@ -104,6 +104,10 @@ def test_options_are_validated():
         EngineOptions(data_parallel_size=2, data_parallel_rank=1)
     with pytest.raises(ValueError, match="multiprocess_mode"):
         EngineOptions(data_parallel_size=2, multiprocess_mode=False)
+    with pytest.raises(ValueError, match="ray_address is only meaningful"):
+        EngineOptions(ray_address="auto")
+    with pytest.raises(ValueError, match="multiprocess_mode"):
+        EngineOptions(data_parallel_backend="ray", multiprocess_mode=False)
 
 
 @pytest.mark.timeout(10)
@@ -116,6 +120,11 @@ def test_cli_flags():
     assert (options.data_parallel_size, options.data_parallel_rank) == (4, 3)
     assert options.data_parallel_external_lb and options.data_parallel_backend == "mp"
     assert engine_options_from_args(build_parser().parse_args(["generate", "hi"])).data_parallel_size == 1
+    args = build_parser().parse_args(
+        ["serve", "--data-parallel-backend", "ray", "--ray-address", "10.0.0.1:6379"]
+    )
+    options = engine_options_from_args(args)
+    assert (options.data_parallel_backend, options.ray_address) == ("ray", "10.0.0.1:6379")
 
 
 # -- the balancer alone ---------------------------------------------------------------------------
@@ -196,8 +205,6 @@ def test_factory_and_external_lb_rank():
             client.shutdown()
 
     asyncio.run(main())
-    with pytest.raises(NotImplementedError, match="ray"):
-        EngineCoreClient.make_async_mp_client(EngineOptions(runner="null", data_parallel_backend="ray"))
 
 
 @pytest.mark.timeout(40)
@@ -398,3 +405,68 @@ def test_coordinator_streams_engine_loads_to_the_balancer():
     finally:
         client.shutdown()
     assert not client.resources.coordinator.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_async_llm_dead_rank_raises_for_its_requests_and_health_says_degraded(tiny_gqa_dir):
+    import httpx
+
+    from nanoserve.engine.async_llm import AsyncLLM
+    from nanoserve.entrypoints.openai.api_server import ServerOptions, build_app
+    from nanoserve.entrypoints.openai.metrics import PrometheusStatLogger
+
+    async def consume(engine: AsyncLLM, request_id: str, max_tokens: int) -> int:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        num_tokens = 0
+        async for out in engine.generate(f"request {request_id}", params, request_id):
+            num_tokens = len(out.outputs[0].token_ids)
+        return num_tokens
+
+    async def main() -> None:
+        engine = AsyncLLM(str(tiny_gqa_dir), runner="null", data_parallel_size=2)
+        client = engine.engine_core
+        app = build_app(engine, ServerOptions(), PrometheusStatLogger("tiny"))
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://nanoserve")
+        try:
+            health = await http.get("/health")
+            assert health.status_code == 200 and health.content == b""
+            await sleep_one_rank(client, 1)  # rank 1 holds its requests until it is killed
+            tasks = {f"long-{i}": asyncio.create_task(consume(engine, f"long-{i}", 10**6)) for i in range(4)}
+            deadline = time.monotonic() + 20
+            while sum(client.balancer.owner(rid) is not None for rid in tasks) < 4:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            on_rank_1 = {rid for rid in tasks if client.balancer.owner(rid) == 1}
+            assert on_rank_1 and len(on_rank_1) < 4
+            pids = client.engine_pids()
+            os.kill(pids[1], signal.SIGKILL)
+            for rid in on_rank_1:
+                with pytest.raises(EngineDeadError) as dead:
+                    await asyncio.wait_for(tasks[rid], 10)
+                assert dead.value.engine_rank == 1 and dead.value.signal == "SIGKILL"
+            assert not engine.errored and set(engine.dead_ranks) == {1}
+            assert await consume(engine, "fresh", 8) == 8  # the other rank serves on
+            for rid in set(tasks) - on_rank_1:  # still streaming, or finished: never failed
+                assert not tasks[rid].done() or tasks[rid].result() > 0
+
+            health = await http.get("/health")
+            assert health.status_code == 200
+            body = health.json()
+            assert body["status"] == "degraded" and body["dead_ranks"] == [1]
+            assert "Engine core 1" in body["errors"]["1"] and "SIGKILL" in body["errors"]["1"]
+
+            await sleep_one_rank(client, 0)
+            held = asyncio.create_task(consume(engine, "held", 8))
+            while client.balancer.owner("held") is None:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            os.kill(pids[0], signal.SIGKILL)  # the last rank: now the engine is dead
+            with pytest.raises(EngineDeadError, match="Engine core 0"):
+                await asyncio.wait_for(held, 10)
+            assert engine.errored and (await http.get("/health")).status_code == 503
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+        finally:
+            await http.aclose()
+            engine.shutdown()
+
+    asyncio.run(main())

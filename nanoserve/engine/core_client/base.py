@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from nanoserve.config import EngineOptions
+from nanoserve.engine.exceptions import EngineDeadError
 from nanoserve.wire.messages import EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest
 
 
@@ -27,7 +28,6 @@ class EngineCoreClient(ABC):
         if multiprocess_mode and asyncio_mode:
             return EngineCoreClient.make_async_mp_client(options)
         if multiprocess_mode:
-            _check_backend(options)
             if options.data_parallel_size > 1 and not options.data_parallel_external_lb:
                 from nanoserve.engine.core_client.dp import DPLBSyncMPClient
 
@@ -42,8 +42,8 @@ class EngineCoreClient(ABC):
     @staticmethod
     def make_async_mp_client(options: EngineOptions) -> EngineCoreClient:
         """One engine: `AsyncMPClient`. Several, balanced here: `DPLBAsyncMPClient`. One rank of several,
-        with an external load balancer in front: `DPAsyncMPClient`."""
-        _check_backend(options)
+        with an external load balancer in front: `DPAsyncMPClient`. Any of them runs its engines as child
+        processes or, with `data_parallel_backend="ray"`, as Ray actors."""
         if options.data_parallel_size > 1:
             from nanoserve.engine.core_client.dp import DPAsyncMPClient, DPLBAsyncMPClient
 
@@ -56,6 +56,12 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+    def dead_rank_errors(self) -> dict[int, EngineDeadError]:
+        """Data parallel: the ranks that died while others serve on, with why (a frontend fails their
+        requests with these errors and reports itself degraded). Empty for a single engine, whose death
+        is the client's."""
+        return {}
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         raise NotImplementedError
@@ -126,10 +132,3 @@ class EngineCoreClient(ABC):
 
     async def save_sharded_state_async(self, path: str) -> None:
         await self.call_utility_async("save_sharded_state", path)
-
-
-def _check_backend(options: EngineOptions) -> None:
-    if options.data_parallel_backend != "mp":
-        raise NotImplementedError(
-            f"data_parallel_backend={options.data_parallel_backend!r} is not implemented yet; use 'mp'."
-        )

@@ -3,6 +3,8 @@ it to the frontends.
 
 Sockets (bound here, endpoints reported to the parent through a pipe at start):
   stats    PULL. Each engine pushes an `EngineLoad` when its waiting / running counts or KV use change.
+           Bound where the frontend binds its own engine sockets (every interface when engines run on
+           other machines); the publish socket stays on loopback, for this machine's frontend.
   publish  PUB. Sends a `DPLoadUpdate` (every rank's latest load) when something changed, at most once
            per `PUBLISH_INTERVAL_S`, and a heartbeat every `HEARTBEAT_INTERVAL_S` when nothing did.
 A frontend subscribes (`LoadSubscriber`) and folds the counts into its load balancer; they tell it
@@ -39,9 +41,9 @@ def should_publish(changed: bool, now: float, last_publish: float) -> bool:
     return (changed and since >= PUBLISH_INTERVAL_S) or since >= HEARTBEAT_INTERVAL_S
 
 
-def _bind(sock: zmq.Socket, transport: str) -> tuple[str, str | None]:
+def _bind(sock: zmq.Socket, transport: str, host: str = "127.0.0.1") -> tuple[str, str | None]:
     if transport == "tcp":
-        sock.bind("tcp://127.0.0.1:0")
+        sock.bind(f"tcp://{host}:0")
         path = None
     else:
         path = os.path.join(tempfile.gettempdir(), f"nanoserve-dp-{uuid.uuid4().hex[:16]}")
@@ -49,7 +51,7 @@ def _bind(sock: zmq.Socket, transport: str) -> tuple[str, str | None]:
     return sock.getsockopt(zmq.LAST_ENDPOINT).decode(), path
 
 
-def run_coordinator(ranks: list[int], transport: str, conn, parent_pid: int) -> None:
+def run_coordinator(ranks: list[int], transport: str, conn, parent_pid: int, stats_host: str) -> None:
     """Target of the coordinator process."""
     ctx = zmq.Context()
     pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
@@ -57,7 +59,7 @@ def run_coordinator(ranks: list[int], transport: str, conn, parent_pid: int) -> 
     try:
         for sock in (pull, pub):
             sock.setsockopt(zmq.LINGER, 0)
-        stats_address, stats_path = _bind(pull, transport)
+        stats_address, stats_path = _bind(pull, transport, stats_host)
         publish_address, publish_path = _bind(pub, transport)
         paths = [p for p in (stats_path, publish_path) if p]
         conn.send((stats_address, publish_address))
@@ -108,8 +110,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def start_coordinator(ranks: list[int], transport: str, start_method: str) -> tuple[BaseProcess, str, str]:
-    """Start the coordinator; returns it with its stats and publish endpoints."""
+def start_coordinator(
+    ranks: list[int], transport: str, start_method: str, stats_host: str = "127.0.0.1"
+) -> tuple[BaseProcess, str, str]:
+    """Start the coordinator; returns it with its stats and publish endpoints (as bound)."""
     from nanoserve.engine.core_client.launch import _main_module_hidden
 
     mp = multiprocessing.get_context(start_method)
@@ -117,7 +121,7 @@ def start_coordinator(ranks: list[int], transport: str, start_method: str) -> tu
     proc = mp.Process(
         target=run_coordinator,
         name="DPCoordinator",
-        args=(list(ranks), transport, child_conn, os.getpid()),
+        args=(list(ranks), transport, child_conn, os.getpid(), stats_host),
         daemon=True,
     )
     with _main_module_hidden(start_method):

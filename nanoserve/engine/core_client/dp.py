@@ -20,8 +20,11 @@ engine takes it; ties rotate.
 A dead rank (death frame or monitor, `BackgroundResources.mark_rank_dead`): its pending utility calls
 fail at once; a marker on the output queue becomes, when the frontend next reads outputs, one ERROR
 output per request the rank held, carrying the `EngineDeadError` text that names the rank, so every
-frontend finishes those requests through its ordinary output path. New requests and utility calls go
-to the live ranks only. When the last rank dies the client is dead exactly as with one engine.
+frontend finishes those requests through its ordinary output path. That batch also carries `death`
+(frontend-side only: never on the wire past the reader), so a frontend that raises errors rather than
+returning them (AsyncLLM) can tell these requests from ones the engine refused, and raise the rank's
+`EngineDeadError` from `dead_rank_errors()`. New requests and utility calls go to the live ranks only.
+When the last rank dies the client is dead exactly as with one engine.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from nanoserve.wire.messages import (
     EngineCoreRequest,
     EngineCoreRequestType,
     EngineCoreUtilityRequest,
+    EngineDeathRecord,
     FinishReason,
     SchedulerStats,
 )
@@ -260,15 +264,15 @@ class _DPLBClient(MPClient):
         return list(range(options.data_parallel_size))
 
     def _start_coordinator(self, addresses: EngineZmqAddresses) -> None:
-        options, resources = self.options, self.resources
+        options, resources, host = self.options, self.resources, self.engine_host
         proc, stats_address, publish_address = start_coordinator(
-            self._engine_ranks(options), options.transport, options.engine_start_method
+            self._engine_ranks(options), host.transport, options.engine_start_method, host.bind
         )
         resources.coordinator = proc
         resources.ipc_paths += [
             a.removeprefix("ipc://") for a in (stats_address, publish_address) if a.startswith("ipc://")
         ]
-        addresses.stats = stats_address
+        addresses.stats = host.endpoint(stats_address)
         self.load_subscriber = LoadSubscriber(
             resources.ctx, publish_address, self.balancer.apply_update, lambda: resources.shutting_down
         )
@@ -288,6 +292,9 @@ class _DPLBClient(MPClient):
         """Some ranks are dead, others still serve."""
         return bool(self.resources.dead_ranks) and not self.resources.engine_dead
 
+    def dead_rank_errors(self) -> dict[int, EngineDeadError]:
+        return dict(self.resources.dead_ranks)
+
     def _route(self, request: EngineCoreRequest) -> bytes:
         self.ensure_alive()
         return engine_identity(self.balancer.choose(request, self.resources.dead_ranks))
@@ -306,7 +313,10 @@ class _DPLBClient(MPClient):
             ids = self.balancer.release_rank(item.rank)
             message = str(item.error)
             outputs = [EngineCoreOutput(i, [], finish_reason=FinishReason.ERROR, error=message) for i in ids]
-            return EngineCoreOutputs(item.rank, outputs, finished_requests=set(ids) or None)
+            death = EngineDeathRecord(
+                item.rank, type(item.error).__name__, message, item.error.traceback_tail
+            )
+            return EngineCoreOutputs(item.rank, outputs, finished_requests=set(ids) or None, death=death)
         self.balancer.update(item.engine_index, item.scheduler_stats, item.finished_requests)
         return item
 

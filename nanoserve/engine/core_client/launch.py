@@ -6,6 +6,10 @@ child connects back and reports its phases on the ROUTER; the last report carrie
 `EngineCoreReadyResponse`. One deadline (NANOSERVE_ENGINE_READY_TIMEOUT_S, default 600 s) covers spawn,
 imports, weight loading and KV sizing. A child that exits during start-up ends the wait at once with
 its exit code and, when it could still send it, its death record (read from the output PULL).
+
+Who runs the engines is an `EngineManager`: `EngineProcManager` here (child processes), or
+`RayEngineManager` (`ray_launch.py`, Ray actors). The client, the start-up wait and the monitor thread
+see only that interface; a manager also says where the frontend must bind (`SocketHost`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from typing import Protocol
 
 import zmq
 
@@ -61,15 +66,35 @@ def engine_options(options: EngineOptions) -> EngineOptions:
     an equal share of the cores unless the user set `num_threads` (oversubscribed threads thrash)."""
     if options.data_parallel_size == 1 or options.num_threads is not None:
         return options
+    return dataclasses.replace(options, num_threads=max(1, available_cpus() // options.data_parallel_size))
+
+
+def available_cpus() -> int:
+    """The cores this process may run on."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:
-        cpus = os.cpu_count() or 1
-    return dataclasses.replace(options, num_threads=max(1, cpus // options.data_parallel_size))
+        return os.cpu_count() or 1
 
 
 def ready_timeout_s() -> float:
     return float(os.environ.get(READY_TIMEOUT_ENV, DEFAULT_READY_TIMEOUT_S))
+
+
+@dataclass(frozen=True)
+class SocketHost:
+    """Where the frontend binds the sockets engines connect to, and the host engines dial to reach them
+    (not the same when binding every interface for engines on other machines)."""
+
+    transport: str
+    bind: str = "127.0.0.1"
+    advertise: str = "127.0.0.1"
+
+    def endpoint(self, bound: str) -> str:
+        """The endpoint an engine dials for a socket bound at `bound`."""
+        if not bound.startswith("tcp://") or self.bind == self.advertise:
+            return bound
+        return f"tcp://{self.advertise}:{bound.rsplit(':', 1)[1]}"
 
 
 @dataclass
@@ -82,7 +107,9 @@ class EngineZmqAddresses:
     """Data parallel: the coordinator's PULL, where each engine pushes its load."""
 
 
-def make_socket(ctx: zmq.Context, socket_type: int, transport: str) -> tuple[zmq.Socket, str, str | None]:
+def make_socket(
+    ctx: zmq.Context, socket_type: int, transport: str, host: str = "127.0.0.1"
+) -> tuple[zmq.Socket, str, str | None]:
     """Bind a socket of `socket_type` and return it, its resolved endpoint and its ipc file, if any."""
     sock = ctx.socket(socket_type)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -91,7 +118,7 @@ def make_socket(ctx: zmq.Context, socket_type: int, transport: str) -> tuple[zmq
     path = None
     try:
         if transport == "tcp":
-            sock.bind("tcp://127.0.0.1:0")
+            sock.bind(f"tcp://{host}:0")
         else:
             path = os.path.join(tempfile.gettempdir(), f"nanoserve-{uuid.uuid4().hex[:16]}")
             sock.bind(f"ipc://{path}")
@@ -102,6 +129,50 @@ def make_socket(ctx: zmq.Context, socket_type: int, transport: str) -> tuple[zmq
     return sock, endpoint, path
 
 
+class EngineManager(Protocol):
+    """What a client needs from whoever runs its engine ranks. Each rank has a sentinel, a file
+    descriptor that turns readable once the rank has ended, so one poll can wait for engines and
+    sockets together. An exit code is 0 after a requested shutdown, positive after a failure, negative
+    for a killing signal, None when unknown (or still running)."""
+
+    host: SocketHost
+    start_phase: str
+    """What a rank is doing before it reports its first phase."""
+
+    @property
+    def ranks(self) -> list[int]: ...
+
+    def start(self, addresses: EngineZmqAddresses, ranks: list[int]) -> None: ...
+
+    def sentinels(self) -> dict[int, int]: ...
+
+    def exit_code(self, rank: int) -> int | None: ...
+
+    def wait(self, rank: int, timeout: float) -> int | None: ...
+
+    def finished(self) -> dict[int, int | None]:
+        """Ranks that have ended, with their exit codes."""
+        ...
+
+    def death_record(self, rank: int) -> EngineDeathRecord | None:
+        """Why a rank ended, as far as the manager knows (the engine's own record comes over the
+        output socket)."""
+        ...
+
+    def pids(self) -> list[int]: ...
+
+    def shutdown(self, timeout: float | None = None) -> None: ...
+
+
+def make_engine_manager(options: EngineOptions) -> EngineManager:
+    """The manager for `options.data_parallel_backend`; it starts nothing until `start`."""
+    if options.data_parallel_backend == "ray":
+        from nanoserve.engine.core_client.ray_launch import RayEngineManager
+
+        return RayEngineManager(options)
+    return EngineProcManager(options)
+
+
 class EngineProcManager:
     """The engine-core child processes of one client: start, watch, stop.
 
@@ -110,13 +181,23 @@ class EngineProcManager:
     would read the child as still running, and shutdown would SIGKILL a process that already exited 0.
     """
 
-    def __init__(self, options: EngineOptions, addresses: EngineZmqAddresses, ranks: list[int]) -> None:
-        from nanoserve.core.engine_core_proc import run_engine_core
+    start_phase = "spawning"
 
-        mp = multiprocessing.get_context(options.engine_start_method)
+    def __init__(self, options: EngineOptions) -> None:
         self.options = options
+        self.host = SocketHost(options.transport)
         self.procs: dict[int, BaseProcess] = {}
         self._reap_lock = threading.Lock()
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.procs)
+
+    def start(self, addresses: EngineZmqAddresses, ranks: list[int]) -> None:
+        from nanoserve.core.engine_core_proc import run_engine_core
+
+        options = self.options
+        mp = multiprocessing.get_context(options.engine_start_method)
         per_engine = engine_options(options)
         for rank in ranks:
             proc = mp.Process(
@@ -148,7 +229,10 @@ class EngineProcManager:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs.values() if p.pid is not None]
 
-    def finished(self) -> dict[int, int]:
+    def death_record(self, rank: int) -> EngineDeathRecord | None:
+        return None  # a process says nothing beyond its exit code
+
+    def finished(self) -> dict[int, int | None]:
         """Ranks whose process has exited, with their exit codes."""
         with self._reap_lock:
             exit_codes = {rank: p.exitcode for rank, p in self.procs.items()}
@@ -203,7 +287,7 @@ def _signal(proc: BaseProcess, signum: int) -> None:
 def wait_for_engine_startup(
     input_socket: zmq.Socket,
     output_socket: zmq.Socket,
-    manager: EngineProcManager,
+    manager: EngineManager,
     timeout_s: float | None = None,
 ) -> dict[int, EngineCoreReadyResponse]:
     """Collect every engine's ready response, logging phases; raise on death or at the deadline."""
@@ -211,14 +295,14 @@ def wait_for_engine_startup(
     deadline = time.monotonic() + timeout_s
     phase_decoder = MsgpackDecoder(EngineHandshakePhase)
     ready_decoder = MsgpackDecoder(EngineCoreReadyResponse)
-    phases = {rank: "spawning" for rank in manager.procs}
+    phases = {rank: manager.start_phase for rank in manager.ranks}
     ready: dict[int, EngineCoreReadyResponse] = {}
     started = time.monotonic()
     poller = zmq.Poller()
     poller.register(input_socket, zmq.POLLIN)
     for sentinel in manager.sentinels():
         poller.register(sentinel, zmq.POLLIN)
-    while len(ready) < len(manager.procs):
+    while len(ready) < len(phases):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             waiting = ", ".join(f"engine {r}: {phases[r]}" for r in sorted(phases) if r not in ready)
@@ -238,7 +322,7 @@ def wait_for_engine_startup(
             if phase.phase == "ready":
                 ready[rank] = ready_decoder.decode(frames[1])
         for rank, code in manager.finished().items():
-            record = _read_death_record(output_socket)
+            record = _read_death_record(output_socket) or manager.death_record(rank)
             raise startup_error(rank, code, phases[rank], record)
     return ready
 
@@ -258,7 +342,7 @@ def _read_death_record(output_socket: zmq.Socket, wait_s: float = 0.5) -> Engine
 
 
 def startup_error(
-    rank: int, exit_code: int, phase: str, record: EngineDeathRecord | None
+    rank: int, exit_code: int | None, phase: str, record: EngineDeathRecord | None
 ) -> EngineStartupError:
     return EngineStartupError(
         f"Engine core {rank} failed during start-up (last phase: {phase})",

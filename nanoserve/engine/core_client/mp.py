@@ -5,7 +5,8 @@ being the engine rank as 2 bytes little-endian; output PULL receives encoded `En
 Subclasses own how outputs are read (a thread for `SyncMPClient`, an asyncio task for `AsyncMPClient`).
 
 Death is seen three ways: the `ENGINE_CORE_DEAD` frame (after a death record carrying the cause), the
-monitor thread seeing an engine process exit, and an error on the output socket. Each marks
+monitor thread seeing an engine end (a process exit, or a Ray actor's end: the `EngineManager` turns
+either into a readable sentinel), and an error on the output socket. Each marks
 `BackgroundResources.engine_dead`, fails every pending utility future and wakes every blocked
 `get_output` with the same `EngineDeadError`; sends fail at once from then on. With several engine
 ranks (data parallel), the death of one rank only marks that rank (`mark_rank_dead`); the client is dead
@@ -38,10 +39,11 @@ import zmq
 from nanoserve.config import EngineOptions
 from nanoserve.engine.core_client.base import EngineCoreClient
 from nanoserve.engine.core_client.launch import (
-    EngineProcManager,
+    EngineManager,
     EngineZmqAddresses,
     dead_error,
     engine_identity,
+    make_engine_manager,
     make_socket,
     wait_for_engine_startup,
 )
@@ -70,7 +72,7 @@ class BackgroundResources:
     input_socket: zmq.Socket | None = None
     output_socket: zmq.Socket | None = None
     """None once the output reader owns it (the reader closes it)."""
-    engine_manager: EngineProcManager | None = None
+    engine_manager: EngineManager | None = None
     coordinator: BaseProcess | None = None
     """Data parallel: the process that publishes every rank's load to the frontends."""
     ipc_paths: list[str] = field(default_factory=list)
@@ -242,8 +244,8 @@ def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return False
 
 
-def _monitor_engines(resources: BackgroundResources, manager: EngineProcManager) -> None:
-    """Wait for engine processes to exit; unless we are shutting down, each exit is a rank's death.
+def _monitor_engines(resources: BackgroundResources, manager: EngineManager) -> None:
+    """Wait for engines to end; unless we are shutting down, each end is a rank's death.
     Returns once the client is dead (every rank gone) or shutting down."""
     import multiprocessing.connection
 
@@ -258,7 +260,7 @@ def _monitor_engines(resources: BackgroundResources, manager: EngineProcManager)
             if exit_code is not None and exit_code > 0:
                 # a crash, not a kill: its death record may still be on its way through the output socket
                 _wait_for_death_record(resources, rank)
-            record = resources.death_records.get(rank)
+            record = resources.death_records.get(rank) or manager.death_record(rank)
             resources.mark_rank_dead(rank, dead_error(rank, exit_code, record))
         if resources.engine_dead:
             if not resources.shutting_down:
@@ -298,22 +300,25 @@ class MPClient(EngineCoreClient):
         success = False
         try:
             ctx = self.resources.ctx
-            input_socket, input_address, input_path = make_socket(ctx, zmq.ROUTER, options.transport)
+            manager = self.resources.engine_manager = make_engine_manager(options)
+            self.engine_host = host = manager.host
+            input_socket, input_address, input_path = make_socket(ctx, zmq.ROUTER, host.transport, host.bind)
             self.resources.input_socket = input_socket
             output_socket, output_address, output_path = make_socket(
-                self._output_context(ctx), zmq.PULL, options.transport
+                self._output_context(ctx), zmq.PULL, host.transport, host.bind
             )
             self._own_output_socket(output_socket)
             self.resources.ipc_paths = [p for p in (input_path, output_path) if p]
             self.input_socket = input_socket
-            self.addresses = addresses = EngineZmqAddresses(input_address, output_address)
+            self.addresses = addresses = EngineZmqAddresses(
+                host.endpoint(input_address), host.endpoint(output_address)
+            )
             self.engine_ranks = self._engine_ranks(options)
             self.core_engines = [engine_identity(rank) for rank in self.engine_ranks]
             self.core_engine = self.core_engines[0]
             self.resources.ranks = list(self.engine_ranks)
             self._start_coordinator(addresses)
-            manager = EngineProcManager(options, addresses, self.engine_ranks)
-            self.resources.engine_manager = manager
+            manager.start(addresses, self.engine_ranks)
             sync_view = zmq.Socket.shadow(output_socket.underlying)
             self._apply_ready_response(wait_for_engine_startup(input_socket, sync_view, manager))
             self._start_output_reader()

@@ -6,7 +6,9 @@ Routes: /v1/completions, /v1/chat/completions, /v1/models (behind the API key wh
 Lifecycle: the engine is built before the server listens. SIGTERM (or SIGINT) stops accepting, lets
 in-flight requests finish for the grace period, shuts the engine down and exits 0. When the engine
 dies, open streams end with an error event, new requests get 503, /health says 503, and the process
-exits 1 (so a supervisor restarts it) unless told to stay up.
+exits 1 (so a supervisor restarts it) unless told to stay up. With data parallel, a rank's death fails
+only its requests: /health stays 200 with a body saying "degraded" and naming the dead ranks, until
+the last rank dies.
 """
 
 from __future__ import annotations
@@ -174,6 +176,15 @@ def build_app(engine: AsyncLLM, options: ServerOptions, stat_logger: PrometheusS
             await engine.check_health(options.health_hang_timeout)
         except EngineDeadError as e:
             return error_json(f"The engine is not healthy: {e}", 503, "service_unavailable")
+        dead = engine.dead_ranks
+        if dead:  # some data-parallel ranks still serve: healthy enough to keep, but say what is lost
+            return JSONResponse(
+                {
+                    "status": "degraded",
+                    "dead_ranks": sorted(dead),
+                    "errors": {str(rank): str(error) for rank, error in sorted(dead.items())},
+                }
+            )
         return Response(status_code=200)
 
     @app.get("/version")

@@ -1,0 +1,355 @@
+"""Engine-core ranks as Ray actors (`data_parallel_backend="ray"`), on this machine or across a Ray cluster.
+
+`RayEngineManager` does for Ray what `EngineProcManager` does for child processes, behind the same
+`EngineManager` interface, so every client (one engine, balanced ranks, one rank behind an external
+balancer) runs on either. Each rank gets a placement group of one bundle of `num_threads` CPUs (default
+1, which the engine then uses as its torch threads) and an `EngineCoreActor` in it. The actor runs the
+engine core exactly as a child process does (`EngineCoreProc`: build, I/O threads, busy loop) in its
+main thread: the engine's signal handling needs the main thread, which Ray gives to the methods of a
+plain (not threaded, not async) actor. It dials the frontend's sockets over TCP, so readiness still
+comes through the ZMQ handshake.
+
+Liveness comes from Ray: a watcher thread waits on every actor's `run()` result. When one resolves (run
+returned an exit code, or Ray raised an actor error: killed, crashed, node lost) the rank's sentinel, a
+pipe, turns readable, which is what the client's monitor and start-up wait poll for processes too;
+Ray's error becomes the rank's death record. If the frontend dies, Ray ends its actors with it (an
+actor's lifetime is its owner's).
+
+Shutdown: ranks on this machine get SIGTERM, the same request a child process gets (the engine drains
+for `shutdown_timeout` seconds and run() returns 0); anything left after the grace period, and every
+rank on another machine, is killed with `ray.kill`; then the placement groups are removed.
+
+Sockets: on a Ray started here, or a cluster whose nodes are all on loopback, the frontend binds
+127.0.0.1. On any other cluster it binds every interface and engines dial this node's IP
+(`ray.util.get_node_ip_address()`); the ZMQ sockets carry no authentication, so that cluster's network
+must be trusted.
+
+The Ray connection is shared by every client in the process. Without `ray_address`, and not already
+connected, a local Ray is started (every CPU, no dashboard, a small object store: only handles and exit
+codes travel through it); with `ray_address`, that cluster is joined. Whatever `ray.init` this module
+made is undone (`ray.shutdown`) when the last client using it shuts down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from types import ModuleType
+from typing import Any
+
+from nanoserve.config import EngineOptions
+from nanoserve.engine.core_client.launch import (
+    TERMINATE_GRACE_S,
+    EngineZmqAddresses,
+    SocketHost,
+    available_cpus,
+)
+from nanoserve.wire.messages import EngineDeathRecord
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.2
+"""How long one ray.wait of the watcher lasts before it checks whether the manager is shutting down."""
+KILL_WAIT_S = 5.0
+"""How long shutdown waits for Ray to report killed actors dead before removing their placement groups."""
+LOCAL_OBJECT_STORE_BYTES = 128 * 1024 * 1024
+
+
+def import_ray() -> ModuleType:
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(
+            "data_parallel_backend='ray' needs Ray: pip install 'nanoserve[ray]' (or the 'ray' package)."
+        ) from e
+    return ray
+
+
+class _RaySession:
+    """This process's use of Ray, counted across clients so the last one out undoes our ray.init."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.initialized_here = False
+        self.started_here = False
+
+    def join(self, address: str | None) -> bool:
+        """Connect (or start a local Ray) unless connected already; True when the Ray was started here."""
+        ray = import_ray()
+        with self.lock:
+            if not ray.is_initialized():
+                with _sigterm_handler_kept():
+                    if address is None:
+                        ray.init(
+                            num_cpus=available_cpus(),
+                            include_dashboard=False,
+                            object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                        )
+                    else:
+                        ray.init(address=address)
+                self.initialized_here, self.started_here = True, address is None
+            elif address is not None:
+                logger.info("already connected to Ray: ignoring ray_address=%s", address)
+            self.users += 1
+            return self.started_here
+
+    def leave(self) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users == 0 and self.initialized_here:
+                import_ray().shutdown()
+                self.initialized_here = self.started_here = False
+
+
+_SESSION = _RaySession()
+
+
+@contextlib.contextmanager
+def _sigterm_handler_kept() -> Iterator[None]:
+    """ray.init makes SIGTERM exit the driver at once; the frontend keeps its own handling (the server
+    drains in-flight requests and exits 0)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
+def _all_nodes_on_loopback(ray: ModuleType) -> bool:
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    return bool(nodes) and all(ipaddress.ip_address(n["NodeManagerAddress"]).is_loopback for n in nodes)
+
+
+def _summary(error: BaseException) -> str:
+    """Ray's actor errors run over several lines (ids, pid, ip); the first and last say what happened."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+
+
+class EngineCoreActor:
+    """One engine-core rank inside a Ray actor; `run` is its whole working life."""
+
+    def __init__(
+        self,
+        options: EngineOptions,
+        engine_rank: int,
+        input_address: str,
+        output_address: str,
+        stats_address: str | None,
+    ) -> None:
+        self.args = (options, engine_rank, input_address, output_address, stats_address)
+
+    def where(self) -> tuple[int, str, str]:
+        """(pid, node IP, node id): lets the frontend signal a rank that runs on its own machine."""
+        ray = import_ray()
+        return os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+
+    def run(self) -> int:
+        """Serve until SIGTERM (0) or a failure (1, after sending the death record to the frontend)."""
+        from nanoserve.core.engine_core_proc import EngineCoreProc, _setup_logging
+
+        rank = self.args[1]
+        _setup_logging(rank)
+        proc: EngineCoreProc | None = None
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            if proc is None or proc.engine is None:
+                raise SystemExit(0)  # still starting: abandon the build
+            proc.request_shutdown()
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            proc = EngineCoreProc(*self.args)
+            proc.build_engine()
+            proc.start_threads()
+            proc.run_busy_loop()
+        except SystemExit:
+            if proc is not None:
+                proc.close()
+            raise
+        except BaseException as e:
+            logger.exception("engine core %d failed", rank)
+            if proc is not None:
+                proc.close(death=e)
+            return 1
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        proc.close()
+        return 0
+
+
+class RayEngineManager:
+    """The engine-core actors of one client: place, start, watch, stop (see the module docstring)."""
+
+    start_phase = "waiting for Ray to place it"
+
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        self.actors: dict[int, Any] = {}
+        self._placement_groups: list[Any] = []
+        self._run_refs: dict[int, Any] = {}
+        self._where_refs: dict[int, Any] = {}
+        self._results: dict[int, tuple[int | None, EngineDeathRecord | None]] = {}
+        self._done: dict[int, threading.Event] = {}
+        self._pipes: dict[int, tuple[Connection, Connection]] = {}
+        """rank -> (read end: its sentinel, write end: written once when the rank ends)."""
+        self._watcher: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._closed = False
+        started_here = _SESSION.join(options.ray_address)
+        try:
+            ray = import_ray()
+            if started_here or _all_nodes_on_loopback(ray):
+                self.host = SocketHost("tcp")
+            else:
+                self.host = SocketHost("tcp", bind="0.0.0.0", advertise=ray.util.get_node_ip_address())
+        except BaseException:
+            _SESSION.leave()
+            raise
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.actors)
+
+    def start(self, addresses: EngineZmqAddresses, ranks: list[int]) -> None:
+        ray = import_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cpus = self.options.num_threads or 1
+        per_rank = dataclasses.replace(self.options, num_threads=cpus)
+        actor_class = ray.remote(EngineCoreActor)
+        for rank in ranks:
+            group = placement_group([{"CPU": cpus}])
+            self._placement_groups.append(group)
+            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+            pipe = multiprocessing.Pipe(duplex=False)
+            actor = actor_class.options(num_cpus=cpus, scheduling_strategy=strategy).remote(
+                per_rank, rank, addresses.input, addresses.output, addresses.stats
+            )
+            self.actors[rank], self._done[rank], self._pipes[rank] = actor, threading.Event(), pipe
+            self._where_refs[rank] = actor.where.remote()  # an actor runs its calls in order: before run
+            self._run_refs[rank] = actor.run.remote()
+        self._watcher = threading.Thread(target=self._watch, name="RayEngineWatcher", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        ray = import_ray()
+        pending = {ref: rank for rank, ref in self._run_refs.items()}
+        try:
+            while pending and not self._stopping.is_set():
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=WATCH_INTERVAL_S)
+                for ref in done:
+                    rank = pending.pop(ref)
+                    try:
+                        self._settle(rank, ray.get(ref), None)
+                    except Exception as e:  # killed, crashed, its node lost, or run() itself failed
+                        self._settle(rank, None, EngineDeathRecord(rank, type(e).__name__, _summary(e), ""))
+        except Exception as e:  # this process lost Ray (ray.shutdown elsewhere): its actors went with it
+            for rank in pending.values():
+                self._settle(rank, None, EngineDeathRecord(rank, type(e).__name__, f"lost Ray: {e}", ""))
+
+    def _settle(self, rank: int, exit_code: int | None, record: EngineDeathRecord | None) -> None:
+        self._results[rank] = (exit_code, record)
+        self._done[rank].set()
+        self._pipes[rank][1].send_bytes(b"")
+
+    def sentinels(self) -> dict[int, int]:
+        return {read_end.fileno(): rank for rank, (read_end, _) in self._pipes.items()}
+
+    def exit_code(self, rank: int) -> int | None:
+        return self._results.get(rank, (None, None))[0]
+
+    def wait(self, rank: int, timeout: float) -> int | None:
+        self._done[rank].wait(timeout)
+        return self.exit_code(rank)
+
+    def finished(self) -> dict[int, int | None]:
+        return {rank: code for rank, (code, _) in list(self._results.items())}
+
+    def death_record(self, rank: int) -> EngineDeathRecord | None:
+        return self._results.get(rank, (None, None))[1]
+
+    def pids(self) -> list[int]:
+        """Empty: the engines are processes of Ray's nodes, perhaps on other machines."""
+        return []
+
+    def node_ids(self, timeout: float = 10.0) -> dict[int, str]:
+        """The Ray node each rank's actor runs on."""
+        ray = import_ray()
+        ranks = list(self._where_refs)
+        locations = ray.get([self._where_refs[rank] for rank in ranks], timeout=timeout)
+        return {rank: node_id for rank, (_, _, node_id) in zip(ranks, locations, strict=True)}
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """SIGTERM the ranks on this machine, wait for the drain, ray.kill every actor, remove the
+        placement groups, leave Ray. Bounded and idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if timeout is None:
+            timeout = self.options.shutdown_timeout + TERMINATE_GRACE_S
+        try:
+            if import_ray().is_initialized():  # else the actors and groups went with the connection
+                self._stop_actors(timeout)
+        finally:
+            self._stopping.set()
+            if self._watcher is not None and self._watcher is not threading.current_thread():
+                self._watcher.join(WATCH_INTERVAL_S * 5)
+            _SESSION.leave()
+
+    def _stop_actors(self, timeout: float) -> None:
+        ray = import_ray()
+        from ray.util.placement_group import remove_placement_group
+
+        signalled = [rank for rank in self.actors if self._request_stop(rank)]
+        deadline = time.monotonic() + timeout
+        for rank in signalled:
+            if not self._done[rank].wait(max(0.0, deadline - time.monotonic())):
+                logger.warning("engine core %d did not stop within %.1f s; killing it", rank, timeout)
+        for actor in self.actors.values():
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + KILL_WAIT_S
+        for done in self._done.values():  # the watcher sees each killed actor's run() fail
+            done.wait(max(0.0, deadline - time.monotonic()))
+        for group in self._placement_groups:
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
+
+    def _request_stop(self, rank: int) -> bool:
+        """SIGTERM a running rank on this machine (pids mean nothing elsewhere); True if sent."""
+        if self._done[rank].is_set():
+            return False
+        ray = import_ray()
+        try:
+            ready, _ = ray.wait([self._where_refs[rank]], timeout=0)
+            if not ready:
+                return False  # not even started
+            pid, node_ip, _ = ray.get(ready[0])
+        except Exception:
+            return False
+        if node_ip != ray.util.get_node_ip_address():
+            return False
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return False
+        return True

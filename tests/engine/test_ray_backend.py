@@ -1,0 +1,142 @@
+"""Ray backend: engine-core ranks as Ray actors on a two-node Ray cluster started on this machine.
+
+Each node has one CPU, so the two ranks (one CPU each) land on different nodes, as they would on two
+machines. Everything stays on loopback: the nodes are given 127.0.0.1, and the variable below makes Ray
+resolve this machine's address to 127.0.0.1 too (it must be set before Ray is imported).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import psutil
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+ray = pytest.importorskip("ray")
+
+from nanoserve.engine.async_llm import AsyncLLM  # noqa: E402
+from nanoserve.engine.core_client.ray_launch import RayEngineManager  # noqa: E402
+from nanoserve.engine.exceptions import EngineDeadError  # noqa: E402
+from nanoserve.sampling_params import SamplingParams  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from ray.cluster_utils import Cluster
+
+    node = dict(num_cpus=1, object_store_memory=100 * 1024 * 1024, node_ip_address="127.0.0.1")
+    cluster = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
+    try:
+        cluster.add_node(**node)
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def assert_ray_released(timeout: float = 10.0) -> None:
+    """No placement group, no engine actor process, every CPU free again."""
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    deadline = time.monotonic() + timeout
+    while True:
+        actors = [
+            p.pid
+            for p in psutil.Process().children(recursive=True)
+            if "EngineCoreActor" in " ".join(_cmdline(p))
+        ]
+        free = ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
+        if not actors and free:
+            return
+        assert time.monotonic() < deadline, f"engine actors {actors} or their CPUs outlived the client"
+        time.sleep(0.1)
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return []
+
+
+@pytest.mark.timeout(90)
+def test_llm_offline_on_two_actor_ranks_matches_one_engine(ray_cluster, tiny_gqa_dir):
+    from nanoserve.entrypoints.llm import LLM
+
+    prompts = ["The quick brown fox", "Hello there", "One two three four five", "a b c"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=6, ignore_eos=True),
+    ] * 2
+    sizes = dict(num_kv_blocks=64, max_model_len=256)
+    one = LLM(str(tiny_gqa_dir), multiprocess_mode=False, **sizes)
+    try:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    finally:
+        one.llm_engine.shutdown()
+
+    llm = LLM(str(tiny_gqa_dir), data_parallel_size=2, data_parallel_backend="ray", **sizes)
+    try:
+        client = llm.llm_engine.engine_core
+        manager = client.resources.engine_manager
+        assert isinstance(manager, RayEngineManager)
+        assert manager.host.bind == "127.0.0.1" and client.addresses.input.startswith("tcp://127.0.0.1:")
+        assert len(set(manager.node_ids().values())) == 2  # one rank per Ray node
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert client.balancer.num_routed.keys() == {0, 1}
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == expected
+    assert_ray_released()
+
+
+@pytest.mark.timeout(90)
+def test_killed_actor_fails_its_requests_and_the_other_rank_serves_on(ray_cluster, tiny_gqa_dir):
+    async def consume(engine: AsyncLLM, request_id: str, max_tokens: int) -> int:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        num_tokens = 0
+        async for out in engine.generate(f"request {request_id}", params, request_id):
+            num_tokens = len(out.outputs[0].token_ids)
+        return num_tokens
+
+    async def main() -> None:
+        engine = AsyncLLM(str(tiny_gqa_dir), runner="null", data_parallel_size=2, data_parallel_backend="ray")
+        client = engine.engine_core
+        try:
+            # rank 1 asleep holds its requests, so none can finish before its actor is killed
+            targets = client._utility_targets
+            client._utility_targets = lambda method: [1]
+            await client.sleep_async(1)
+            client._utility_targets = targets
+            tasks = {f"long-{i}": asyncio.create_task(consume(engine, f"long-{i}", 10**6)) for i in range(4)}
+            deadline = time.monotonic() + 20
+            while sum(client.balancer.owner(rid) is not None for rid in tasks) < 4:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            on_rank_1 = {rid for rid in tasks if client.balancer.owner(rid) == 1}
+            assert on_rank_1 and len(on_rank_1) < 4
+
+            ray.kill(client.resources.engine_manager.actors[1])
+            started = time.monotonic()
+            for rid in on_rank_1:
+                with pytest.raises(EngineDeadError) as dead:
+                    await asyncio.wait_for(tasks[rid], 15)
+                assert dead.value.engine_rank == 1 and "ray.kill" in str(dead.value)
+            assert time.monotonic() - started < 10
+            assert set(engine.dead_ranks) == {1} and client.is_degraded and not engine.errored
+
+            fresh = await asyncio.gather(*(consume(engine, f"fresh-{i}", 8) for i in range(3)))
+            assert fresh == [8, 8, 8]
+            for rid in set(tasks) - on_rank_1:  # still streaming, or finished: never failed
+                assert not tasks[rid].done() or tasks[rid].result() > 0
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+    assert_ray_released()
