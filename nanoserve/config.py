@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 RUNNERS = ("model", "null")
 QUANTIZATIONS = ("none", "int4")
+CPU_KERNEL_MODES = ("auto", "off")
 START_METHODS = ("spawn", "forkserver", "fork")
 TRANSPORTS = ("ipc", "tcp")
 DP_BACKENDS = ("mp", "ray")
@@ -53,6 +54,9 @@ class EngineOptions:
     quantization: str = "none"
     """int4: weight-only int4 for small steps on CPU (decode at low batch), bf16 for the rest; see
     nanoserve.model.quant."""
+    cpu_kernels: str = "auto"
+    """auto: decode attention and RMSNorm in C++ kernels compiled on first use (CPU, bfloat16/float32),
+    where they build; off: PyTorch ops only."""
     runner: str = "model"
     """model: the real transformer. null: a model-free runner (one token per request per step) used by
     the IPC benchmark and client tests."""
@@ -80,6 +84,8 @@ class EngineOptions:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}.")
+        if self.cpu_kernels not in CPU_KERNEL_MODES:
+            raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_MODES}, got {self.cpu_kernels!r}.")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}.")
         if self.engine_start_method not in START_METHODS:

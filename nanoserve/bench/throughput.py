@@ -76,6 +76,18 @@ def time_transformers(model, prompts: list[list[int]], new_tokens: int) -> float
     return len(prompts) * new_tokens / elapsed
 
 
+def nanoserve_options(name: str) -> dict:
+    """`mp-int4-nokernels` -> the LLM options it names."""
+    mode, *suffixes = name.split("-")
+    if mode not in ("mp", "inproc") or not set(suffixes) <= {"int4", "nokernels"}:
+        raise ValueError(f"unknown engine {name!r}")
+    return {
+        "multiprocess_mode": mode == "mp",
+        "quantization": "int4" if "int4" in suffixes else "none",
+        "cpu_kernels": "off" if "nokernels" in suffixes else "auto",
+    }
+
+
 def summarize(samples: list[float]) -> str:
     return f"{statistics.median(samples):7.1f} ({min(samples):.0f}-{max(samples):.0f})"
 
@@ -91,8 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--engines",
         default="mp,transformers",
-        help="comma-separated, first is the reference for ratios: mp (engine core in a child process), "
-        "inproc (same process), either with -int4 (e.g. mp-int4: --quantization int4), transformers",
+        help="comma-separated, first is the reference for ratios: mp (engine core in a child process) or "
+        "inproc (same process), each optionally followed by -int4 (--quantization int4) and/or "
+        "-nokernels (--cpu-kernels off), e.g. mp-int4; and transformers",
     )
     parser.add_argument("--profile", action="store_true", help="write a torch profiler trace of a decode run")
     args = parser.parse_args(argv)
@@ -103,20 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     model_path = resolve_model_path(args.model)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     names = args.engines.split(",")
-    unknown = set(names) - {"mp", "inproc", "mp-int4", "inproc-int4", "transformers"}
-    if unknown:
-        parser.error(f"unknown engine(s): {', '.join(sorted(unknown))}")
+    try:
+        llm_options = {n: nanoserve_options(n) for n in names if n != "transformers"}
+    except ValueError as e:
+        parser.error(str(e))
     tokenizer = load_tokenizer(model_path)
-    llms = {
-        n: LLM(
-            model=model_path,
-            dtype=args.dtype,
-            multiprocess_mode=n.startswith("mp"),
-            quantization="int4" if n.endswith("-int4") else "none",
-        )
-        for n in names
-        if n != "transformers"
-    }
+    llms = {n: LLM(model=model_path, dtype=args.dtype, **kw) for n, kw in llm_options.items()}
     hf_model = load_transformers(model_path, getattr(torch, args.dtype)) if "transformers" in names else None
 
     def run(name: str, prompts: list[list[int]], new_tokens: int) -> float:

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from nanoserve.config import DP_BACKENDS, DTYPES, QUANTIZATIONS, RUNNERS, EngineOptions
+from nanoserve.config import CPU_KERNEL_MODES, DP_BACKENDS, DTYPES, QUANTIZATIONS, RUNNERS, EngineOptions
 
 SUBCOMMANDS: dict[str, str] = {
     "generate": "nanoserve.entrypoints.cli",
@@ -51,6 +51,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-threads", type=int, default=None)
     group.add_argument(
         "--quantization", choices=QUANTIZATIONS, default=None, help="int4: int4 weights for decode (CPU)"
+    )
+    group.add_argument(
+        "--cpu-kernels",
+        choices=CPU_KERNEL_MODES,
+        default=None,
+        help="auto: C++ decode attention and RMSNorm on CPU where they build; off: PyTorch ops only",
     )
     group.add_argument("--runner", choices=RUNNERS, default=None)
     group.add_argument(

@@ -15,6 +15,7 @@ Splitting keeps a long prefill from padding every decode in the batch to its len
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +42,10 @@ class AttentionGroup:
     """[group tokens] rows of the padded output holding real tokens; None: every row is real."""
     out_index: torch.Tensor | None
     """[group tokens] flat token rows those outputs go to; None: the whole batch, in order."""
+    block_table: torch.Tensor
+    """int32 [num_seqs, num_ctx_blocks], for the decode kernel."""
+    seq_lens: torch.Tensor
+    """int64 [num_seqs], for the decode kernel."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -63,6 +68,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     """[num_tokens] cache slot (block * block_size + offset) each new token's K/V is written to."""
     groups: list[AttentionGroup]
+    decode_kernel: Callable | None = None
+    """The C++ decode kernel (nanoserve.model.kernels), which reads K/V in place; None: gather + bmm."""
 
 
 def build_attention_metadata(
@@ -71,6 +78,7 @@ def build_attention_metadata(
     block_table: np.ndarray,
     block_size: int,
     device: torch.device,
+    decode_kernel: Callable | None = None,
 ) -> AttentionMetadata:
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
@@ -100,7 +108,7 @@ def build_attention_metadata(
                     members, num_seqs, query_lens, seq_lens, token_starts, block_table, block_size, to_device
                 )
             )
-    return AttentionMetadata(num_tokens=num_tokens, slot_mapping=to_device(slots), groups=groups)
+    return AttentionMetadata(num_tokens, to_device(slots), groups, decode_kernel)
 
 
 def _build_group(
@@ -138,6 +146,8 @@ def _build_group(
         token_index=None if token_index is None else to_device(token_index),
         out_rows=None if out_rows is None else to_device(out_rows),
         out_index=None if out_index is None else to_device(out_index),
+        block_table=to_device(block_table[members, :num_ctx_blocks].astype(np.int32)),
+        seq_lens=to_device(s_lens),
     )
 
 
@@ -173,17 +183,24 @@ def paged_attention(
     slots[0].index_copy_(1, attn.slot_mapping, k.transpose(0, 1))
     slots[1].index_copy_(1, attn.slot_mapping, v.transpose(0, 1))
 
-    blocks = kv_cache.view(2, num_kv_heads, num_blocks, block_size * head_dim)
     if len(attn.groups) == 1 and attn.groups[0].out_index is None:
-        return _attend_group(q, blocks, attn.groups[0])
+        return _attend_group(q, kv_cache, attn.groups[0], attn.decode_kernel)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in attn.groups:
-        out.index_copy_(0, group.out_index, _attend_group(q, blocks, group))
+        out.index_copy_(0, group.out_index, _attend_group(q, kv_cache, group, attn.decode_kernel))
     return out
 
 
-def _attend_group(q: torch.Tensor, blocks: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+def _attend_group(
+    q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, decode_kernel: Callable | None
+) -> torch.Tensor:
     num_heads, head_dim = q.shape[1:]
+    if group.is_decode and decode_kernel is not None:
+        if group.token_index is not None:
+            q = q.index_select(0, group.token_index)
+        scale = 1.0 / math.sqrt(head_dim)
+        return decode_kernel(q.contiguous(), kv_cache, group.block_table, group.seq_lens, scale)
+    blocks = kv_cache.view(2, kv_cache.shape[1], kv_cache.shape[2], -1)
     num_kv_heads = blocks.shape[1]
     per_kv = num_heads // num_kv_heads
     num_seqs, max_q, ctx = group.num_seqs, group.max_query_len, group.context_len

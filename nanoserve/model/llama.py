@@ -7,6 +7,8 @@ table built once, looked up once per step and shared by every layer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +115,11 @@ class Linear(nn.Linear):
     def prepack(self) -> None:
         self.packed = _pack(self.weight)
 
+    def use_cpu_kernels(self, kernels: ModuleType) -> None:
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = kernels.rms_norm
+
     def quantize_int4(self) -> None:
         self.int4 = quantize_int4(self.weight)
 
@@ -170,7 +177,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
+    kernel: Callable | None = None
+    """The C++ rms_norm (nanoserve.model.kernels): one op where PyTorch's CPU rms_norm runs eight."""
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernel is not None and x.dim() == 2:
+            return self.kernel(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -220,6 +232,11 @@ class LlamaForCausalLM(nn.Module):
                 module.prepack()
         if self.lm_head is None:
             self.packed_embed = _pack(self.embed_tokens.weight)
+
+    def use_cpu_kernels(self, kernels: ModuleType) -> None:
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = kernels.rms_norm
 
     def quantize_int4(self) -> None:
         """Add int4 copies of the decoder layers' matmul weights for small steps (see

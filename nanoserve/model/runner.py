@@ -16,6 +16,7 @@ import torch
 from nanoserve.config import EngineOptions
 from nanoserve.core.batch import RunnerOutput, SchedulerOutput
 from nanoserve.model.attention import allocate_kv_cache, build_attention_metadata, kv_cache_bytes_per_block
+from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.loader import load_model, load_model_config, resolve_dtype, resolve_model_path
 from nanoserve.model.sampler import Sampler
 
@@ -46,6 +47,12 @@ class ModelRunner:
         logger.info(
             "loaded %s (%s) in %.1f s", self.config.name, self.dtype_name, time.perf_counter() - start
         )
+        self.decode_kernel = None
+        if options.cpu_kernels == "auto" and self.device.type == "cpu" and self.dtype != torch.float16:
+            kernels = cpu_kernels()
+            if kernels is not None:
+                self.decode_kernel = kernels.paged_decode_attention
+                self.model.use_cpu_kernels(kernels)
         self.sampler = Sampler(options.seed)
         self.kv_caches: list[torch.Tensor] = []
         self._offloaded: dict[str, torch.Tensor] | None = None
@@ -137,7 +144,7 @@ class ModelRunner:
             block_table[i, : len(c.block_ids)] = c.block_ids
 
         attn = build_attention_metadata(
-            query_lens, seq_lens, block_table, self.options.block_size, self.device
+            query_lens, seq_lens, block_table, self.options.block_size, self.device, self.decode_kernel
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         positions_t = torch.from_numpy(positions).to(self.device, non_blocking=True)
