@@ -1,14 +1,20 @@
 """C++ CPU kernels, compiled on first use for the machine they run on (torch's JIT extension build).
 
-The build takes about half a minute once and is cached under torch's extension folder
-(TORCH_EXTENSIONS_DIR); `python -m nanoserve.model.kernels` builds it ahead of time (make setup does).
-Where it cannot be built (no compiler), the engine keeps to its pure-PyTorch paths.
+The build takes about half a minute once; `python -m nanoserve.model.kernels` does it ahead of time
+(make setup does). The library lands in NANOSERVE_KERNEL_DIR (default ~/.cache/nanoserve/kernels) under
+a name that hashes the source and flags, and a later process imports it directly: torch's loader would
+take a lock file and rerun ninja in every engine start, and a process killed while holding that lock
+leaves every later start waiting on it. Where the kernels cannot be built (no compiler), the engine keeps
+to its pure-PyTorch paths.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
 import logging
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -19,15 +25,38 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 """-ffast-math lets the compiler vectorize the float reductions (sums in any order)."""
 
 
+def _build_dir() -> Path:
+    return Path(os.environ.get("NANOSERVE_KERNEL_DIR", Path.home() / ".cache" / "nanoserve" / "kernels"))
+
+
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The module with `paged_decode_attention(q [S, H, D], kv_cache, block_table int32 [S, B], seq_lens
     int64 [S], scale) -> [S, H * D]` and `rms_norm(x [T, hidden], weight, eps)`, bfloat16 or float32;
     None when it cannot be built here."""
+    import torch
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode())
+    name = f"nanoserve_cpu_kernels_{digest.hexdigest()[:12]}"
+    build_dir = _build_dir() / name
+    library = build_dir / f"{name}.so"
     try:
+        if library.is_file():
+            spec = importlib.util.spec_from_file_location(name, library)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
         from torch.utils.cpp_extension import load
 
-        return load("nanoserve_cpu_kernels", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
+        build_dir.mkdir(parents=True, exist_ok=True)
+        logger.info("building the C++ CPU kernels (once, about half a minute)")
+        return load(
+            name,
+            [str(SOURCE)],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+        )
     except Exception as e:  # a missing compiler or headers: fall back, loudly once
         logger.warning("the C++ CPU kernels could not be built (%s); using PyTorch ops", e)
         return None
