@@ -15,8 +15,8 @@ Splitting keeps a long prefill from padding every decode in the batch to its len
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -68,8 +68,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     """[num_tokens] cache slot (block * block_size + offset) each new token's K/V is written to."""
     groups: list[AttentionGroup]
-    decode_kernel: Callable | None = None
-    """The C++ decode kernel (nanoserve.model.kernels), which reads K/V in place; None: gather + bmm."""
+    kernels: ModuleType | None = None
+    """The C++ CPU kernels (nanoserve.model.kernels): cache writes, and decode attention reading K/V in
+    place; None: PyTorch ops (index_copy_, and gather + bmm)."""
 
 
 def build_attention_metadata(
@@ -78,7 +79,7 @@ def build_attention_metadata(
     block_table: np.ndarray,
     block_size: int,
     device: torch.device,
-    decode_kernel: Callable | None = None,
+    kernels: ModuleType | None = None,
 ) -> AttentionMetadata:
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
@@ -108,7 +109,7 @@ def build_attention_metadata(
                     members, num_seqs, query_lens, seq_lens, token_starts, block_table, block_size, to_device
                 )
             )
-    return AttentionMetadata(num_tokens, to_device(slots), groups, decode_kernel)
+    return AttentionMetadata(num_tokens, to_device(slots), groups, kernels)
 
 
 def _build_group(
@@ -180,26 +181,31 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
     slots = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
-    slots[0].index_copy_(1, attn.slot_mapping, k.transpose(0, 1))
-    slots[1].index_copy_(1, attn.slot_mapping, v.transpose(0, 1))
+    if attn.kernels is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
+        attn.kernels.write_kv(kv_cache, k, v, attn.slot_mapping)
+    else:
+        slots[0].index_copy_(1, attn.slot_mapping, k.transpose(0, 1))
+        slots[1].index_copy_(1, attn.slot_mapping, v.transpose(0, 1))
 
     if len(attn.groups) == 1 and attn.groups[0].out_index is None:
-        return _attend_group(q, kv_cache, attn.groups[0], attn.decode_kernel)
+        return _attend_group(q, kv_cache, attn.groups[0], attn.kernels)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in attn.groups:
-        out.index_copy_(0, group.out_index, _attend_group(q, kv_cache, group, attn.decode_kernel))
+        out.index_copy_(0, group.out_index, _attend_group(q, kv_cache, group, attn.kernels))
     return out
 
 
 def _attend_group(
-    q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, decode_kernel: Callable | None
+    q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, kernels: ModuleType | None
 ) -> torch.Tensor:
     num_heads, head_dim = q.shape[1:]
-    if group.is_decode and decode_kernel is not None:
+    if group.is_decode and kernels is not None:
         if group.token_index is not None:
             q = q.index_select(0, group.token_index)
         scale = 1.0 / math.sqrt(head_dim)
-        return decode_kernel(q.contiguous(), kv_cache, group.block_table, group.seq_lens, scale)
+        return kernels.paged_decode_attention(
+            q.contiguous(), kv_cache, group.block_table, group.seq_lens, scale
+        )
     blocks = kv_cache.view(2, kv_cache.shape[1], kv_cache.shape[2], -1)
     num_kv_heads = blocks.shape[1]
     per_kv = num_heads // num_kv_heads

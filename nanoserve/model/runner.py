@@ -47,12 +47,11 @@ class ModelRunner:
         logger.info(
             "loaded %s (%s) in %.1f s", self.config.name, self.dtype_name, time.perf_counter() - start
         )
-        self.decode_kernel = None
+        self.kernels = None
         if options.cpu_kernels == "auto" and self.device.type == "cpu" and self.dtype != torch.float16:
-            kernels = cpu_kernels()
-            if kernels is not None:
-                self.decode_kernel = kernels.paged_decode_attention
-                self.model.use_cpu_kernels(kernels)
+            self.kernels = cpu_kernels()
+            if self.kernels is not None:
+                self.model.use_cpu_kernels(self.kernels)
         self.sampler = Sampler(options.seed)
         self.kv_caches: list[torch.Tensor] = []
         self._offloaded: dict[str, torch.Tensor] | None = None
@@ -144,7 +143,7 @@ class ModelRunner:
             block_table[i, : len(c.block_ids)] = c.block_ids
 
         attn = build_attention_metadata(
-            query_lens, seq_lens, block_table, self.options.block_size, self.device, self.decode_kernel
+            query_lens, seq_lens, block_table, self.options.block_size, self.device, self.kernels
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         positions_t = torch.from_numpy(positions).to(self.device, non_blocking=True)

@@ -20,11 +20,11 @@ class PagedDriver:
         prompts: list[list[int]],
         num_blocks: int = 64,
         seed: int = 0,
-        decode_kernel=None,
+        kernels=None,
     ) -> None:
         cfg = model.config
         self.model = model
-        self.decode_kernel = decode_kernel
+        self.kernels = kernels
         self.kv_caches = allocate_kv_cache(
             cfg.num_layers,
             num_blocks,
@@ -60,7 +60,7 @@ class PagedDriver:
             p for s in seq_ids for p in range(self.num_computed[s], self.num_computed[s] + schedule[s])
         ]
         attn = build_attention_metadata(
-            query_lens, seq_lens, block_table, BLOCK_SIZE, torch.device("cpu"), self.decode_kernel
+            query_lens, seq_lens, block_table, BLOCK_SIZE, torch.device("cpu"), self.kernels
         )
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, attn)

@@ -26,22 +26,22 @@ def models(tiny_model_dir):
 
 
 @pytest.fixture(params=["torch", "cpp"])
-def decode_kernel(request, models):
-    """PyTorch ops (None), or the C++ kernels: decode attention reading the paged cache in place, and
-    RMSNorm, switched on for this test only."""
+def kernels(request, models):
+    """PyTorch ops (None), or the C++ kernels: cache writes, decode attention reading the paged cache in
+    place, and RMSNorm, switched on for this test only."""
     if request.param == "torch":
         yield None
         return
     from nanoserve.model.kernels import cpu_kernels
 
-    kernels = cpu_kernels()
-    if kernels is None:
+    module = cpu_kernels()
+    if module is None:
         pytest.skip("the C++ kernels cannot be built on this machine")
     ours = models[0]
-    ours.use_cpu_kernels(kernels)
-    yield kernels.paged_decode_attention
-    for module in ours.modules():
-        module.__dict__.pop("kernel", None)
+    ours.use_cpu_kernels(module)
+    yield module
+    for norm in ours.modules():
+        norm.__dict__.pop("kernel", None)
 
 
 def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -49,19 +49,19 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, 49152, n).tolist() for n in lengths]
 
 
-def test_batched_prefill_then_decode(models, decode_kernel):
+def test_batched_prefill_then_decode(models, kernels):
     ours, ref = models
     lengths = [5, 1, 11, 8]
-    driver = PagedDriver(ours, _prompts(lengths), decode_kernel=decode_kernel)
+    driver = PagedDriver(ours, _prompts(lengths), kernels=kernels)
     driver.step({i: n for i, n in enumerate(lengths)})  # one prefill batch of uneven prompts
     for _ in range(4):
         driver.step({i: 1 for i in range(len(lengths))})  # decode-only steps
     driver.check_against(ref)
 
 
-def test_chunked_prefill_mixed_with_decode(models, decode_kernel):
+def test_chunked_prefill_mixed_with_decode(models, kernels):
     ours, ref = models
-    driver = PagedDriver(ours, _prompts([13, 6, 3], seed=1), decode_kernel=decode_kernel)
+    driver = PagedDriver(ours, _prompts([13, 6, 3], seed=1), kernels=kernels)
     driver.step({0: 7, 1: 6})  # first chunk of prompt 0, all of prompt 1
     driver.step({1: 1, 0: 6, 2: 3})  # a decode, the rest of prompt 0, a new prompt: both groups at once
     driver.step({0: 1, 1: 1, 2: 1})
@@ -69,9 +69,9 @@ def test_chunked_prefill_mixed_with_decode(models, decode_kernel):
     driver.check_against(ref)
 
 
-def test_uniform_prefill_then_single_sequence_decode(models, decode_kernel):
+def test_uniform_prefill_then_single_sequence_decode(models, kernels):
     ours, ref = models
-    driver = PagedDriver(ours, _prompts([6, 6], seed=2), decode_kernel=decode_kernel)
+    driver = PagedDriver(ours, _prompts([6, 6], seed=2), kernels=kernels)
     driver.step({0: 6, 1: 6})  # equal lengths: the no-padding path
     for _ in range(3):
         driver.step({1: 1})

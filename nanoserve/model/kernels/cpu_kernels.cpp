@@ -5,6 +5,9 @@
 // and the weighted sum of V, reading each cached K and V row once, in place (no gather of the context).
 //
 // rms_norm: one pass per row in float32, where PyTorch's CPU rms_norm is a chain of eight ops.
+//
+// write_kv: the new tokens' K and V rows into their cache slots, one copy each, where index_copy_ on
+// the cache's strided view costs two ops and a slow path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -144,7 +147,32 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
+// kv_cache: [2, Hkv, num_blocks, block_size, D]; k, v: [T, Hkv, D] (any strides along T and Hkv, D
+// contiguous); slot_mapping: int64 [T], slot = block * block_size + offset.
+void write_kv(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping) {
+  TORCH_CHECK(kv_cache.is_contiguous() && k.stride(2) == 1 && v.stride(2) == 1);
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type());
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous());
+  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
+  const int64_t slots_per_head = kv_cache.size(2) * kv_cache.size(3);
+  const int64_t row_bytes = head_dim * kv_cache.element_size();
+  auto* cache = static_cast<char*>(kv_cache.data_ptr());
+  const auto* k_base = static_cast<const char*>(k.data_ptr());
+  const auto* v_base = static_cast<const char*>(v.data_ptr());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t item = kv_cache.element_size();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t k_row = (h * slots_per_head + slots[t]) * row_bytes;
+      const int64_t v_row = ((num_kv_heads + h) * slots_per_head + slots[t]) * row_bytes;
+      std::memcpy(cache + k_row, k_base + (t * k.stride(0) + h * k.stride(1)) * item, row_bytes);
+      std::memcpy(cache + v_row, v_base + (t * v.stride(0) + h * v.stride(1)) * item, row_bytes);
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("rms_norm", &rms_norm);
+  m.def("write_kv", &write_kv);
 }
