@@ -6,12 +6,17 @@ ipc:// from a child process, received three ways: directly, through a thread and
 SyncMPClient does), and through `zmq.asyncio` (what AsyncMPClient does). Prints outputs/s (one per
 request per step), messages/s (`EngineCoreOutputs` per second), requests/s, and each client's
 outputs/s as a fraction of the raw baseline of its kind.
+
+`--data-parallel-size 1 2 4` instead times the sync and asyncio clients `LLM` / the server would use with
+that many model-free engines (SyncMPClient / AsyncMPClient for one, DPLBSyncMPClient / DPLBAsyncMPClient
+beyond), on the same load, so one run shows how the frontend's client layer scales with engine count.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import multiprocessing
 import os
 import queue
@@ -165,6 +170,37 @@ def _median(results: list[Result]) -> Result:
     return sorted(results, key=lambda r: r.seconds)[len(results) // 2]
 
 
+def _time_sync(client, num_requests: int, max_tokens: int, repeats: int) -> Result:
+    """Median of `repeats` timed runs after one warm-up run; shuts the client down."""
+    name = type(client).__name__
+    try:
+        runs = [
+            _run_sync_client(name, client, _requests(num_requests, max_tokens, f"run{i}"))
+            for i in range(repeats + 1)
+        ]
+        return _median(runs[1:])
+    finally:
+        client.shutdown()
+
+
+def _time_async(make_client, num_requests: int, max_tokens: int, repeats: int) -> Result:
+    """As `_time_sync`; the client is built inside the event loop that drives it."""
+
+    async def run() -> Result:
+        client = make_client()
+        name = type(client).__name__
+        try:
+            runs = [
+                await _run_async_client(name, client, _requests(num_requests, max_tokens, f"run{i}"))
+                for i in range(repeats + 1)
+            ]
+            return _median(runs[1:])
+        finally:
+            client.shutdown()
+
+    return asyncio.run(run())
+
+
 def bench_clients(
     options: EngineOptions, num_requests: int, max_tokens: int, repeats: int
 ) -> dict[str, Result]:
@@ -172,32 +208,29 @@ def bench_clients(
     from nanoserve.engine.core_client.inproc import InprocClient
     from nanoserve.engine.core_client.sync_mp import SyncMPClient
 
+    timing = (num_requests, max_tokens, repeats)
+    return {
+        "InprocClient": _time_sync(InprocClient(options), *timing),
+        "SyncMPClient": _time_sync(SyncMPClient(options), *timing),
+        "AsyncMPClient": _time_async(lambda: AsyncMPClient(options), *timing),
+    }
+
+
+def bench_data_parallel(
+    options: EngineOptions, sizes: list[int], num_requests: int, max_tokens: int, repeats: int
+) -> dict[int, tuple[Result, Result]]:
+    """engine count -> (sync, asyncio) client results, each client chosen by the factory as LLM and the
+    server would choose it."""
+    from nanoserve.engine.core_client.base import EngineCoreClient
+
+    timing = (num_requests, max_tokens, repeats)
     results = {}
-    for name, cls in (("InprocClient", InprocClient), ("SyncMPClient", SyncMPClient)):
-        client = cls(options)
-        try:
-            runs = [
-                _run_sync_client(name, client, _requests(num_requests, max_tokens, f"run{i}"))
-                for i in range(repeats + 1)
-            ]
-            results[name] = _median(runs[1:])  # run 0 warms up
-        finally:
-            client.shutdown()
-
-    async def run_async() -> Result:
-        client = AsyncMPClient(options)
-        try:
-            runs = [
-                await _run_async_client(
-                    "AsyncMPClient", client, _requests(num_requests, max_tokens, f"run{i}")
-                )
-                for i in range(repeats + 1)
-            ]
-            return _median(runs[1:])
-        finally:
-            client.shutdown()
-
-    results["AsyncMPClient"] = asyncio.run(run_async())
+    for size in sizes:
+        opts = dataclasses.replace(options, data_parallel_size=size)
+        results[size] = (
+            _time_sync(EngineCoreClient.make_client(True, False, opts), *timing),
+            _time_async(lambda opts=opts: EngineCoreClient.make_async_mp_client(opts), *timing),
+        )
     return results
 
 
@@ -233,6 +266,21 @@ def report(raw: dict[str, Result], clients: dict[str, Result]) -> str:
     return "\n".join(lines)
 
 
+def report_data_parallel(results: dict[int, tuple[Result, Result]]) -> str:
+    first_sync, first_async = next(iter(results.values()))
+    lines = [
+        f"{'engines':>7}  {'sync client':<18}{'outputs/s':>11}{'scale':>7}  {'asyncio client':<19}"
+        f"{'outputs/s':>11}{'scale':>7}"
+    ]
+    for size, (sync, asyn) in results.items():
+        lines.append(
+            f"{size:>7}  {sync.name:<18}{sync.outputs_per_s:>11,.0f}"
+            f"{sync.outputs_per_s / first_sync.outputs_per_s:>6.2f}x  {asyn.name:<19}"
+            f"{asyn.outputs_per_s:>11,.0f}{asyn.outputs_per_s / first_async.outputs_per_s:>6.2f}x"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nanoserve bench ipc", description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=128, help="concurrent requests per client run")
@@ -240,9 +288,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--raw-messages", type=int, default=200_000, help="messages per raw baseline run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per path (the median is shown)")
     parser.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        nargs="+",
+        default=None,
+        help="engine counts to compare (e.g. 1 2 4); skips the raw baselines and InprocClient",
+    )
     args = parser.parse_args(argv)
 
     options = EngineOptions(runner="null", max_num_seqs=max(args.num_requests, 1), transport=args.transport)
+    if args.data_parallel_size:
+        results = bench_data_parallel(
+            options, args.data_parallel_size, args.num_requests, args.max_tokens, args.repeats
+        )
+        print(
+            f"null runner, {args.num_requests} concurrent requests x {args.max_tokens} outputs over "
+            f"{args.transport}; median of {args.repeats} runs; scale = outputs/s vs the first engine count"
+        )
+        print(report_data_parallel(results))
+        return 0
     raw = bench_raw(args.raw_messages, args.repeats)
     clients = bench_clients(options, args.num_requests, args.max_tokens, args.repeats)
     print(

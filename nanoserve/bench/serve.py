@@ -8,19 +8,31 @@ is the gap between consecutive content events of one stream.
 
 The HTTP client is a few lines of asyncio (HTTP/1.1, chunked SSE) so that the benchmark needs nothing
 beyond the standard library and measures the server rather than a client library.
+
+`--compare-dp 1 2` ignores `--url`: it starts `nanoserve serve` (the bundled model) once per data-parallel
+size in turn, with `--num-threads cpus // N` per engine beyond one so the engines split the cores rather
+than oversubscribe them, runs the same load against each, stops it with SIGTERM, and ends with one table
+side by side and each size's output tok/s relative to the first.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
+import socket
 import ssl
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 WORDS = (
@@ -168,8 +180,8 @@ async def run_level(
         async with semaphore:
             return await run_one(url, body(i), headers, is_chat)
 
-    for i in range(args.warmup):
-        await run_one(url, body(-1 - i), headers, is_chat)
+    warmup = args.warmup if args.warmup is not None else concurrency if args.compare_dp else 1
+    await asyncio.gather(*(limited(-1 - i) for i in range(warmup)))
     start = time.perf_counter()
     results = await asyncio.gather(*(limited(i) for i in range(args.num_prompts)))
     return results, time.perf_counter() - start
@@ -183,15 +195,41 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if q < 100 else max(values)
 
 
-def report(concurrency: int, results: list[RequestResult], duration: float) -> str:
+@dataclass
+class LevelStats:
+    """One concurrency level's summary (latencies in ms)."""
+
+    num_ok: int
+    num_sent: int
+    req_s: float
+    tok_s: float
+    ttft_p50: float
+    ttft_p99: float
+    itl_p50: float
+    itl_p99: float
+
+
+def summarize(results: list[RequestResult], duration: float) -> LevelStats:
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft * 1000 for r in ok if r.ttft is not None]
     itls = [x * 1000 for r in ok for x in r.itls]
     num_tokens = sum(r.num_output_tokens for r in ok)
+    return LevelStats(
+        len(ok),
+        len(results),
+        len(ok) / duration,
+        num_tokens / duration,
+        percentile(ttfts, 50),
+        percentile(ttfts, 99),
+        percentile(itls, 50),
+        percentile(itls, 99),
+    )
+
+
+def report(concurrency: int, s: LevelStats) -> str:
     return (
-        f"{concurrency:>11} {len(ok):>4}/{len(results):<4} {len(ok) / duration:>9.2f} {num_tokens / duration:>10.1f} "
-        f"{percentile(ttfts, 50):>9.1f} {percentile(ttfts, 99):>9.1f} {percentile(itls, 50):>8.1f} "
-        f"{percentile(itls, 99):>8.1f}"
+        f"{concurrency:>11} {s.num_ok:>4}/{s.num_sent:<4} {s.req_s:>9.2f} {s.tok_s:>10.1f} "
+        f"{s.ttft_p50:>9.1f} {s.ttft_p99:>9.1f} {s.itl_p50:>8.1f} {s.itl_p99:>8.1f}"
     )
 
 
@@ -207,6 +245,98 @@ def first_model(base_url: str, api_key: str | None) -> str:
         request.add_header("Authorization", f"Bearer {api_key}")
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.load(response)["data"][0]["id"]
+
+
+SERVER_START_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _is_healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def local_server(data_parallel_size: int) -> Iterator[str]:
+    """`nanoserve serve` on the bundled model with this many engines; yields its URL once /health says
+    200. SIGTERM stops it (in-flight requests finish, exit 0); its session is killed only if that hangs.
+    The server's log is kept, so a slow or failed run can be looked into afterwards."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--port", str(port)]
+    if data_parallel_size > 1:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cpus // data_parallel_size)
+        cmd += ["--data-parallel-size", str(data_parallel_size), "--num-threads", str(threads)]
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.NamedTemporaryFile(
+        "w+b", prefix=f"nanoserve-dp{data_parallel_size}-", suffix=".log", delete=False
+    ) as log:
+        print(f"$ nanoserve {' '.join(cmd[3:])}   (log: {log.name})", flush=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+            while not _is_healthy(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace")[-3000:]
+                    raise RuntimeError(f"server not healthy (exit code {proc.poll()}):\n{tail}")
+                time.sleep(0.5)
+            yield url
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                code = proc.wait()
+            print(f"server stopped, exit code {code}", flush=True)
+
+
+def run_levels(args: argparse.Namespace) -> tuple[dict[int, LevelStats], bool]:
+    """Run every concurrency level against `args.url`, printing a row per level as it finishes."""
+    model = args.model or first_model(args.url, args.api_key)
+    print(
+        f"{args.url} model={model} endpoint={args.endpoint} prompts={args.num_prompts} "
+        f"prompt_words={args.prompt_words} max_tokens={args.max_tokens} ignore_eos={args.ignore_eos}"
+    )
+    print(HEADER)
+    stats, failed = {}, False
+    for concurrency in args.concurrency:
+        results, duration = asyncio.run(run_level(args, model, concurrency))
+        stats[concurrency] = summarize(results, duration)
+        print(report(concurrency, stats[concurrency]), flush=True)
+        errors = [r.error for r in results if not r.ok]
+        if errors:
+            failed = True
+            print(f"  {len(errors)} failed, e.g. {errors[0]}")
+    return stats, failed
+
+
+def compare_report(by_size: dict[int, dict[int, LevelStats]]) -> str:
+    """One row per concurrency: each size's output tok/s and p50 latencies, then tok/s vs the first size."""
+    sizes = list(by_size)
+    base = sizes[0]
+    head = f"{'concurrency':>11}" + "".join(
+        f"{f'DP{n} tok/s':>12}{f'DP{n} TTFT':>10}{f'DP{n} ITL':>9}" for n in sizes
+    )
+    head += "".join(f"{f'DP{n}/DP{base}':>10}" for n in sizes[1:]) + "   (p50 latencies in ms)"
+    lines = [head]
+    for concurrency in by_size[base]:
+        row = [by_size[n][concurrency] for n in sizes]
+        line = f"{concurrency:>11}" + "".join(
+            f"{s.tok_s:>12.1f}{s.ttft_p50:>10.1f}{s.itl_p50:>9.1f}" for s in row
+        )
+        line += "".join(f"{s.tok_s / row[0].tok_s:>9.2f}x" if row[0].tok_s else f"{'-':>10}" for s in row[1:])
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,31 +366,41 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="ask for exactly --max-tokens tokens (vLLM's extra field; other servers may ignore it)",
     )
-    parser.add_argument("--warmup", type=int, default=1, help="requests sent before each level is timed")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed requests sent at the level's concurrency before each level (default 1; with "
+        "--compare-dp the level's concurrency, as a just-started server's first batched steps are slow)",
+    )
     parser.add_argument(
         "--api-key",
         default=os.environ.get("NANOSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
         help="bearer token (default: $NANOSERVE_API_KEY or $OPENAI_API_KEY)",
+    )
+    parser.add_argument(
+        "--compare-dp",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="start `nanoserve serve` (bundled model) with each data-parallel size in turn instead of using "
+        "--url, run the same load against each, and print them side by side (e.g. 1 2)",
     )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    model = args.model or first_model(args.url, args.api_key)
-    print(
-        f"{args.url} model={model} endpoint={args.endpoint} prompts={args.num_prompts} "
-        f"prompt_words={args.prompt_words} max_tokens={args.max_tokens} ignore_eos={args.ignore_eos}"
-    )
-    print(HEADER)
-    failed = False
-    for concurrency in args.concurrency:
-        results, duration = asyncio.run(run_level(args, model, concurrency))
-        print(report(concurrency, results, duration), flush=True)
-        errors = [r.error for r in results if not r.ok]
-        if errors:
-            failed = True
-            print(f"  {len(errors)} failed, e.g. {errors[0]}")
+    if not args.compare_dp:
+        return 1 if run_levels(args)[1] else 0
+    by_size, failed = {}, False
+    for size in args.compare_dp:
+        with local_server(size) as url:
+            args.url = url
+            by_size[size], size_failed = run_levels(args)
+        failed |= size_failed
+    print(compare_report(by_size))
     return 1 if failed else 0
 
 
