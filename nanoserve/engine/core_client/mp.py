@@ -133,18 +133,24 @@ class BackgroundResources:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
+    def _message_reader_stop(self) -> None:
+        try:
+            sock = self.ctx.socket(zmq.PAIR)
+        except zmq.ZMQError:
+            return  # the context is terminated: shutdown has already stopped the reader
+        try:
+            sock.connect(self.shutdown_path)
+            sock.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the reader has already ended
+        finally:
+            sock.close(linger=0)
+
     def stop_output_reader(self) -> None:
         """Sync: message the reader thread's PAIR socket. Async: cancel the task and close its socket
         on the task's own loop (an asyncio socket must not be closed under a running loop's feet)."""
         if self.shutdown_path is not None:
-            sock = self.ctx.socket(zmq.PAIR)
-            try:
-                sock.connect(self.shutdown_path)
-                sock.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # the reader has already ended
-            finally:
-                sock.close(linger=0)
+            self._message_reader_stop()
         if self.async_output_socket is None and self.output_task is None:
             return
         task, loop, sock = self.output_task, self.loop, self.async_output_socket
