@@ -69,8 +69,8 @@ class AttentionMetadata:
     """[num_tokens] cache slot (block * block_size + offset) each new token's K/V is written to."""
     groups: list[AttentionGroup]
     kernels: ModuleType | None = None
-    """The C++ CPU kernels (nanoserve.model.kernels): cache writes, and decode attention reading K/V in
-    place; None: PyTorch ops (index_copy_, and gather + bmm)."""
+    """The C++ CPU kernels (nanoserve.model.kernels): rotary embedding with the cache write, and decode
+    attention reading K/V in place; None: PyTorch ops (index_copy_, gather + bmm)."""
 
 
 def build_attention_metadata(
@@ -171,22 +171,21 @@ def kv_cache_bytes_per_block(
     return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
-def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata
-) -> torch.Tensor:
-    """Write k/v into the cache, attend each token over its request's context.
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata) -> None:
+    """k, v: [T, num_kv_heads, head_dim] into their slots of the cache. (With the C++ kernels, the model
+    writes them while applying rotary embeddings instead.)"""
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    slots = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
+    slots[0].index_copy_(1, attn.slot_mapping, k.transpose(0, 1))
+    slots[1].index_copy_(1, attn.slot_mapping, v.transpose(0, 1))
 
-    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim].
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+    """Attend each token over its request's context, its own K/V already in the cache.
+
+    q: [T, num_heads, head_dim] -> [T, num_heads * head_dim].
     """
     num_tokens, num_heads, head_dim = q.shape
-    _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
-    slots = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
-    if attn.kernels is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
-        attn.kernels.write_kv(kv_cache, k, v, attn.slot_mapping)
-    else:
-        slots[0].index_copy_(1, attn.slot_mapping, k.transpose(0, 1))
-        slots[1].index_copy_(1, attn.slot_mapping, v.transpose(0, 1))
-
     if len(attn.groups) == 1 and attn.groups[0].out_index is None:
         return _attend_group(q, kv_cache, attn.groups[0], attn.kernels)
     out = q.new_empty(num_tokens, num_heads * head_dim)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nanoserve.model.attention import AttentionMetadata, paged_attention
+from nanoserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.quant import INT4_MAX_TOKENS, Int4Weight, int4_linear, quantize_int4
 
@@ -116,9 +116,12 @@ class Linear(nn.Linear):
         self.packed = _pack(self.weight)
 
     def use_cpu_kernels(self, kernels: ModuleType) -> None:
+        """RMSNorm and the MLP's activation in C++; attention takes its kernels from AttentionMetadata."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = kernels.rms_norm
+            elif isinstance(module, LlamaMLP):
+                module.kernel = kernels.silu_and_mul
 
     def quantize_int4(self) -> None:
         self.int4 = quantize_int4(self.weight)
@@ -153,11 +156,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
 
     def forward(self, x: Tensor, cos_sin: Tensor, kv_cache: Tensor, attn: AttentionMetadata) -> Tensor:
-        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, heads + 2 * kv_heads, head_dim]
-        qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos_sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
-        return self.o_proj(paged_attention(q, k, v, kv_cache, attn))
+        qkv = self.qkv_proj(x)
+        if attn.kernels is not None:
+            q = attn.kernels.rope_write_kv(
+                qkv, cos_sin, kv_cache, attn.slot_mapping, self.num_heads, self.num_kv_heads
+            )
+        else:
+            qkv = qkv.view(x.shape[0], -1, self.head_dim)  # [T, heads + 2 * kv_heads, head_dim]
+            qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos_sin)
+            q = qk[:, : self.num_heads]
+            write_kv(qk[:, self.num_heads :], qkv[:, self.num_heads + self.num_kv_heads :], kv_cache, attn)
+        return self.o_proj(paged_attention(q, kv_cache, attn))
 
 
 class LlamaMLP(nn.Module):
@@ -166,8 +175,14 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
+    kernel: Callable | None = None
+    """The C++ silu_and_mul (nanoserve.model.kernels): one pass where PyTorch runs three ops."""
+
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernel is not None and gate_up.dim() == 2:
+            return self.down_proj(self.kernel(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -234,9 +249,12 @@ class LlamaForCausalLM(nn.Module):
             self.packed_embed = _pack(self.embed_tokens.weight)
 
     def use_cpu_kernels(self, kernels: ModuleType) -> None:
+        """RMSNorm and the MLP's activation in C++; attention takes its kernels from AttentionMetadata."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = kernels.rms_norm
+            elif isinstance(module, LlamaMLP):
+                module.kernel = kernels.silu_and_mul
 
     def quantize_int4(self) -> None:
         """Add int4 copies of the decoder layers' matmul weights for small steps (see

@@ -32,7 +32,8 @@ def _build_dir() -> Path:
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The module with `paged_decode_attention(q [S, H, D], kv_cache, block_table int32 [S, B], seq_lens
-    int64 [S], scale) -> [S, H * D]` and `rms_norm(x [T, hidden], weight, eps)`, bfloat16 or float32;
+    int64 [S], scale) -> [S, H * D]`, `rope_write_kv(qkv, cos_sin, kv_cache, slot_mapping, H, Hkv) -> q`,
+    `rms_norm(x [T, hidden], weight, eps)` and `silu_and_mul(x [T, 2 I]) -> [T, I]`, bfloat16 or float32;
     None when it cannot be built here."""
     import torch
 

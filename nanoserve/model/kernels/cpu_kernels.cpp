@@ -6,8 +6,10 @@
 //
 // rms_norm: one pass per row in float32, where PyTorch's CPU rms_norm is a chain of eight ops.
 //
-// write_kv: the new tokens' K and V rows into their cache slots, one copy each, where index_copy_ on
-// the cache's strided view costs two ops and a slow path.
+// rope_write_kv: rotary embedding of q and k straight out of the fused qkv projection, k and v written
+// to the cache on the way: one pass where PyTorch needs slices, a roll, a multiply and an addcmul.
+//
+// silu_and_mul: silu(gate) * up over the fused gate/up projection, one pass instead of three ops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -147,32 +149,97 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
-// kv_cache: [2, Hkv, num_blocks, block_size, D]; k, v: [T, Hkv, D] (any strides along T and Hkv, D
-// contiguous); slot_mapping: int64 [T], slot = block * block_size + offset.
-void write_kv(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping) {
-  TORCH_CHECK(kv_cache.is_contiguous() && k.stride(2) == 1 && v.stride(2) == 1);
-  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type());
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous());
-  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
-  const int64_t slots_per_head = kv_cache.size(2) * kv_cache.size(3);
-  const int64_t row_bytes = head_dim * kv_cache.element_size();
-  auto* cache = static_cast<char*>(kv_cache.data_ptr());
-  const auto* k_base = static_cast<const char*>(k.data_ptr());
-  const auto* v_base = static_cast<const char*>(v.data_ptr());
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t item = kv_cache.element_size();
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const int64_t k_row = (h * slots_per_head + slots[t]) * row_bytes;
-      const int64_t v_row = ((num_kv_heads + h) * slots_per_head + slots[t]) * row_bytes;
-      std::memcpy(cache + k_row, k_base + (t * k.stride(0) + h * k.stride(1)) * item, row_bytes);
-      std::memcpy(cache + v_row, v_base + (t * v.stride(0) + h * v.stride(1)) * item, row_bytes);
+namespace {
+
+template <typename T>
+void rope_rows(const T* qkv, const T* cos_sin, T* q_out, T* cache, const int64_t* slots, int64_t num_tokens,
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head) {
+  const int64_t half = head_dim / 2, row = (num_heads + 2 * num_kv_heads) * head_dim;
+  at::parallel_for(0, num_tokens, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* cos = cos_sin + t * 2 * head_dim;  // [cos, cos]
+      const T* sin = cos + head_dim;              // [-sin, sin]
+      const T* src = qkv + t * row;
+      for (int64_t h = 0; h < num_heads + 2 * num_kv_heads; ++h) {
+        const T* x = src + h * head_dim;
+        T* dst;
+        if (h < num_heads) {
+          dst = q_out + (t * num_heads + h) * head_dim;
+        } else {
+          const int64_t kv = h < num_heads + num_kv_heads ? 0 : 1, kv_head = (h - num_heads) % num_kv_heads;
+          dst = cache + ((kv * num_kv_heads + kv_head) * slots_per_head + slots[t]) * head_dim;
+          if (kv == 1) {
+            std::memcpy(dst, x, head_dim * sizeof(T));
+            continue;
+          }
+        }
+        for (int64_t i = 0; i < head_dim; ++i) {
+          const float rotated = to_float(x[i < half ? i + half : i - half]);
+          dst[i] = static_cast<T>(to_float(x[i]) * to_float(cos[i]) + rotated * to_float(sin[i]));
+        }
+      }
     }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * 2 * width;
+      const T* up = gate + width;
+      T* o = out + r * width;
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = to_float(gate[i]);
+        o[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_float(up[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// qkv: [T, (H + 2 Hkv) * D] contiguous; cos_sin: [T, 2, 1, D] contiguous (cos twice, then -sin and sin);
+// kv_cache: [2, Hkv, num_blocks, block_size, D]; slot_mapping: int64 [T] -> rotated q [T, H, D].
+torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor kv_cache,
+                            torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.is_contiguous() && cos_sin.is_contiguous() && kv_cache.is_contiguous());
+  TORCH_CHECK(qkv.scalar_type() == kv_cache.scalar_type() && cos_sin.scalar_type() == kv_cache.scalar_type());
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous());
+  const int64_t num_tokens = qkv.size(0), head_dim = kv_cache.size(4);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim && head_dim % 2 == 0);
+  auto q = torch::empty({num_tokens, num_heads, head_dim}, qkv.options());
+  const int64_t slots_per_head = kv_cache.size(2) * kv_cache.size(3);
+  if (qkv.scalar_type() == torch::kBFloat16) {
+    rope_rows(qkv.data_ptr<at::BFloat16>(), cos_sin.data_ptr<at::BFloat16>(), q.data_ptr<at::BFloat16>(),
+              kv_cache.data_ptr<at::BFloat16>(), slot_mapping.data_ptr<int64_t>(), num_tokens, num_heads,
+              num_kv_heads, head_dim, slots_per_head);
+  } else {
+    TORCH_CHECK(qkv.scalar_type() == torch::kFloat32, "bfloat16 or float32 only");
+    rope_rows(qkv.data_ptr<float>(), cos_sin.data_ptr<float>(), q.data_ptr<float>(), kv_cache.data_ptr<float>(),
+              slot_mapping.data_ptr<int64_t>(), num_tokens, num_heads, num_kv_heads, head_dim, slots_per_head);
   }
+  return q;
+}
+
+// x: [T, 2 * I] (gate, then up) -> [T, I]
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0);
+  auto in = x.contiguous();
+  const int64_t width = in.size(1) / 2;
+  auto out = torch::empty({in.size(0), width}, in.options());
+  if (in.scalar_type() == torch::kBFloat16) {
+    silu_mul_rows(in.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), in.size(0), width);
+  } else {
+    TORCH_CHECK(in.scalar_type() == torch::kFloat32, "bfloat16 or float32 only");
+    silu_mul_rows(in.data_ptr<float>(), out.data_ptr<float>(), in.size(0), width);
+  }
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_write_kv", &rope_write_kv);
+  m.def("silu_and_mul", &silu_and_mul);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("rms_norm", &rms_norm);
-  m.def("write_kv", &write_kv);
 }
