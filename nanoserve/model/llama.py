@@ -115,14 +115,6 @@ class Linear(nn.Linear):
     def prepack(self) -> None:
         self.packed = _pack(self.weight)
 
-    def use_cpu_kernels(self, kernels: ModuleType) -> None:
-        """RMSNorm and the MLP's activation in C++; attention takes its kernels from AttentionMetadata."""
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.kernel = kernels.rms_norm
-            elif isinstance(module, LlamaMLP):
-                module.kernel = kernels.silu_and_mul
-
     def quantize_int4(self) -> None:
         self.int4 = quantize_int4(self.weight)
 
