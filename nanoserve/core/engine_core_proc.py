@@ -507,19 +507,31 @@ def run_engine_core(
         pass
     _setup_logging(engine_rank)
 
+    _exit(
+        serve_engine_core(
+            (options, engine_rank, input_address, output_address, stats_address),
+            (signal.SIGTERM, signal.SIGINT),
+        )
+    )
+
+
+def serve_engine_core(proc_args: tuple, stop_signals: tuple[signal.Signals, ...]) -> int:
+    """Build, serve and close one engine core in this (main) thread, for a child process or a Ray actor.
+
+    Returns 0 after a requested shutdown and 1 after a failure (its death record sent). A stop signal
+    drains the engine; during the build it abandons it (SystemExit). The handlers are installed before
+    the build, so a SIGTERM during weight loading is not lost, and the previous ones restored after.
+    """
     proc: EngineCoreProc | None = None
 
     def on_signal(signum: int, frame: Any) -> None:
         if proc is None or proc.engine is None:
-            raise SystemExit(0)  # still starting: abandon the build
+            raise SystemExit(0)
         proc.request_shutdown()
 
-    # installed before the engine is built, so a SIGTERM during weight loading is not lost
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
+    previous = {signum: signal.signal(signum, on_signal) for signum in stop_signals}
     try:
-        proc = EngineCoreProc(options, engine_rank, input_address, output_address, stats_address)
+        proc = EngineCoreProc(*proc_args)
         proc.build_engine()
         proc.start_threads()
         proc.run_busy_loop()
@@ -528,15 +540,15 @@ def run_engine_core(
             proc.close()
         raise
     except BaseException as e:
-        logger.exception("engine core %d failed", engine_rank)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        logger.exception("engine core %d failed", proc_args[1])
         if proc is not None:
             proc.close(death=e)
-        _exit(1)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+        return 1
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     proc.close()
-    _exit(0)
+    return 0
 
 
 def _exit(code: int) -> None:

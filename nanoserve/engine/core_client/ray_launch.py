@@ -161,36 +161,10 @@ class EngineCoreActor:
 
     def run(self) -> int:
         """Serve until SIGTERM (0) or a failure (1, after sending the death record to the frontend)."""
-        from nanoserve.core.engine_core_proc import EngineCoreProc, _setup_logging
+        from nanoserve.core.engine_core_proc import _setup_logging, serve_engine_core
 
-        rank = self.args[1]
-        _setup_logging(rank)
-        proc: EngineCoreProc | None = None
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            if proc is None or proc.engine is None:
-                raise SystemExit(0)  # still starting: abandon the build
-            proc.request_shutdown()
-
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
-        try:
-            proc = EngineCoreProc(*self.args)
-            proc.build_engine()
-            proc.start_threads()
-            proc.run_busy_loop()
-        except SystemExit:
-            if proc is not None:
-                proc.close()
-            raise
-        except BaseException as e:
-            logger.exception("engine core %d failed", rank)
-            if proc is not None:
-                proc.close(death=e)
-            return 1
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-        proc.close()
-        return 0
+        _setup_logging(self.args[1])
+        return serve_engine_core(self.args, (signal.SIGTERM,))
 
 
 class RayEngineManager:
