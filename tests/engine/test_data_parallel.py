@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+from streams import count_tokens
 
 from nanoserve.config import EngineOptions
 from nanoserve.engine.core_client.base import EngineCoreClient
@@ -415,13 +416,6 @@ def test_async_llm_dead_rank_raises_for_its_requests_and_health_says_degraded(ti
     from nanoserve.entrypoints.openai.api_server import ServerOptions, build_app
     from nanoserve.entrypoints.openai.metrics import PrometheusStatLogger
 
-    async def consume(engine: AsyncLLM, request_id: str, max_tokens: int) -> int:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        num_tokens = 0
-        async for out in engine.generate(f"request {request_id}", params, request_id):
-            num_tokens = len(out.outputs[0].token_ids)
-        return num_tokens
-
     async def main() -> None:
         engine = AsyncLLM(str(tiny_gqa_dir), runner="null", data_parallel_size=2)
         client = engine.engine_core
@@ -431,7 +425,9 @@ def test_async_llm_dead_rank_raises_for_its_requests_and_health_says_degraded(ti
             health = await http.get("/health")
             assert health.status_code == 200 and health.content == b""
             await sleep_one_rank(client, 1)  # rank 1 holds its requests until it is killed
-            tasks = {f"long-{i}": asyncio.create_task(consume(engine, f"long-{i}", 10**6)) for i in range(4)}
+            tasks = {
+                f"long-{i}": asyncio.create_task(count_tokens(engine, f"long-{i}", 10**6)) for i in range(4)
+            }
             deadline = time.monotonic() + 20
             while sum(client.balancer.owner(rid) is not None for rid in tasks) < 4:
                 assert time.monotonic() < deadline
@@ -445,7 +441,7 @@ def test_async_llm_dead_rank_raises_for_its_requests_and_health_says_degraded(ti
                     await asyncio.wait_for(tasks[rid], 10)
                 assert dead.value.engine_rank == 1 and dead.value.signal == "SIGKILL"
             assert not engine.errored and set(engine.dead_ranks) == {1}
-            assert await consume(engine, "fresh", 8) == 8  # the other rank serves on
+            assert await count_tokens(engine, "fresh", 8) == 8  # the other rank serves on
             for rid in set(tasks) - on_rank_1:  # still streaming, or finished: never failed
                 assert not tasks[rid].done() or tasks[rid].result() > 0
 
@@ -456,7 +452,7 @@ def test_async_llm_dead_rank_raises_for_its_requests_and_health_says_degraded(ti
             assert "Engine core 1" in body["errors"]["1"] and "SIGKILL" in body["errors"]["1"]
 
             await sleep_one_rank(client, 0)
-            held = asyncio.create_task(consume(engine, "held", 8))
+            held = asyncio.create_task(count_tokens(engine, "held", 8))
             while client.balancer.owner("held") is None:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)

@@ -13,6 +13,7 @@ import time
 
 import psutil
 import pytest
+from streams import count_tokens
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
@@ -95,13 +96,6 @@ def test_llm_offline_on_two_actor_ranks_matches_one_engine(ray_cluster, tiny_gqa
 
 @pytest.mark.timeout(90)
 def test_killed_actor_fails_its_requests_and_the_other_rank_serves_on(ray_cluster, tiny_gqa_dir):
-    async def consume(engine: AsyncLLM, request_id: str, max_tokens: int) -> int:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        num_tokens = 0
-        async for out in engine.generate(f"request {request_id}", params, request_id):
-            num_tokens = len(out.outputs[0].token_ids)
-        return num_tokens
-
     async def main() -> None:
         engine = AsyncLLM(str(tiny_gqa_dir), runner="null", data_parallel_size=2, data_parallel_backend="ray")
         client = engine.engine_core
@@ -111,7 +105,9 @@ def test_killed_actor_fails_its_requests_and_the_other_rank_serves_on(ray_cluste
             client._utility_targets = lambda method: [1]
             await client.sleep_async(1)
             client._utility_targets = targets
-            tasks = {f"long-{i}": asyncio.create_task(consume(engine, f"long-{i}", 10**6)) for i in range(4)}
+            tasks = {
+                f"long-{i}": asyncio.create_task(count_tokens(engine, f"long-{i}", 10**6)) for i in range(4)
+            }
             deadline = time.monotonic() + 20
             while sum(client.balancer.owner(rid) is not None for rid in tasks) < 4:
                 assert time.monotonic() < deadline
@@ -128,7 +124,7 @@ def test_killed_actor_fails_its_requests_and_the_other_rank_serves_on(ray_cluste
             assert time.monotonic() - started < 10
             assert set(engine.dead_ranks) == {1} and client.is_degraded and not engine.errored
 
-            fresh = await asyncio.gather(*(consume(engine, f"fresh-{i}", 8) for i in range(3)))
+            fresh = await asyncio.gather(*(count_tokens(engine, f"fresh-{i}", 8) for i in range(3)))
             assert fresh == [8, 8, 8]
             for rid in set(tasks) - on_rank_1:  # still streaming, or finished: never failed
                 assert not tasks[rid].done() or tasks[rid].result() > 0
