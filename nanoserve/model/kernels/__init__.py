@@ -26,7 +26,7 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 def _build_dir() -> Path:
-    return Path(os.environ.get("NANOSERVE_KERNEL_DIR", Path.home() / ".cache" / "nanoserve" / "kernels"))
+    return Path(os.environ.get("NANOSERVE_KERNEL_DIR") or Path.home() / ".cache" / "nanoserve" / "kernels")
 
 
 @functools.cache

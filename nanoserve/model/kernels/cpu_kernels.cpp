@@ -1,8 +1,9 @@
 // CPU kernels for the steps where PyTorch's eager ops cost more in dispatch and copies than in work.
 //
 // paged_decode_attention: one query token per sequence, grouped-query heads, straight from the paged KV
-// cache. Each (sequence, KV head) pair is one task: its query heads' scores over the context, a softmax,
-// and the weighted sum of V, reading each cached K and V row once, in place (no gather of the context).
+// cache. Each (sequence, KV head) pair is one task that walks the context a cache block at a time: its
+// query heads' scores for the block, a running softmax (max and total rescaled when the max grows), and
+// the weighted sum of the block's V rows. Each cached K and V row is read once, in place.
 //
 // rms_norm: one pass per row in float32, where PyTorch's CPU rms_norm is a chain of eight ops.
 //
@@ -27,59 +28,116 @@ inline float to_float(at::BFloat16 x) {
 }
 inline float to_float(float x) { return x; }
 
-template <typename T>
+constexpr int64_t PREFETCH_BLOCKS = 4;
+
+template <typename T, int FIXED_D>
 void decode_attention(const T* q, const T* kv, const int32_t* block_table, const int64_t* seq_lens, T* out,
                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
                       int64_t block_size, int64_t head_dim, int64_t max_blocks, float scale) {
+  // a head size known at compile time lets the compiler unroll and vectorize every row loop
+  const int64_t D = FIXED_D > 0 ? FIXED_D : head_dim;
   const int64_t per_kv = num_heads / num_kv_heads;
-  const int64_t v_offset = num_kv_heads * num_blocks * block_size * head_dim;  // kv[1] - kv[0]
+  const int64_t head_stride = num_blocks * block_size * D;
+  const int64_t v_offset = num_kv_heads * head_stride;  // kv[1] - kv[0]
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(per_kv * head_dim), acc(per_kv * head_dim), scores;
-    std::vector<float> row(head_dim);
+    // a sequence's blocks sit anywhere in the cache, each too short for the hardware prefetcher to pick up:
+    // ask for them a few blocks ahead (the first ones while the previous task runs). Inlined by force: GCC
+    // counts a prefetch as no effect, and would drop a call to a function that does nothing else.
+    auto prefetch_block = [&](int64_t task, int64_t index) __attribute__((always_inline)) {
+      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+      if (index * block_size >= seq_lens[seq]) return;
+      const int64_t offset = kv_head * head_stride + block_table[seq * max_blocks + index] * block_size * D;
+      const char* k = reinterpret_cast<const char*>(kv + offset);
+      const char* v = reinterpret_cast<const char*>(kv + offset + v_offset);
+      for (int64_t byte = 0; byte < block_size * D * int64_t(sizeof(T)); byte += 64) {
+        __builtin_prefetch(k + byte);
+        __builtin_prefetch(v + byte);
+      }
+    };
+    std::vector<float> query(per_kv * D), acc(per_kv * D), scores(per_kv * block_size), row(D);
+    std::vector<float> max_score(per_kv), total(per_kv);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t context = seq_lens[seq];
-      for (int64_t h = 0; h < per_kv; ++h)
-        for (int64_t d = 0; d < head_dim; ++d)
-          query[h * head_dim + d] = to_float(q[(seq * num_heads + kv_head * per_kv + h) * head_dim + d]) * scale;
-      scores.assign(per_kv * context, 0.f);
-      const T* k_head = kv + kv_head * num_blocks * block_size * head_dim;
-      for (int64_t t = 0; t < context; ++t) {
-        const int64_t block = block_table[seq * max_blocks + t / block_size];
-        const T* k = k_head + (block * block_size + t % block_size) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = to_float(k[d]);
-        for (int64_t h = 0; h < per_kv; ++h) {
-          float dot = 0.f;
-          const float* qh = query.data() + h * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * row[d];
-          scores[h * context + t] = dot;
-        }
-      }
-      for (int64_t h = 0; h < per_kv; ++h) {
-        float* s = scores.data() + h * context;
-        float max_score = -INFINITY, total = 0.f;
-        for (int64_t t = 0; t < context; ++t) max_score = std::max(max_score, s[t]);
-        for (int64_t t = 0; t < context; ++t) total += (s[t] = std::exp(s[t] - max_score));
-        const float inv = 1.f / total;
-        for (int64_t t = 0; t < context; ++t) s[t] *= inv;
-      }
+      const T* q_seq = q + (seq * num_heads + kv_head * per_kv) * D;
+      for (int64_t i = 0; i < per_kv * D; ++i) query[i] = to_float(q_seq[i]) * scale;
       std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(max_score.begin(), max_score.end(), -INFINITY);
+      std::fill(total.begin(), total.end(), 0.f);
+      const T* k_head = kv + kv_head * head_stride;
       const T* v_head = k_head + v_offset;
-      for (int64_t t = 0; t < context; ++t) {
-        const int64_t block = block_table[seq * max_blocks + t / block_size];
-        const T* v = v_head + (block * block_size + t % block_size) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = to_float(v[d]);
+      for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i) {
+        if (task == begin) prefetch_block(task, i);
+        if (task + 1 < end) prefetch_block(task + 1, i);
+      }
+      // one pass, a block of tokens at a time, with a running softmax (max and total rescaled per block)
+      for (int64_t start = 0; start < context; start += block_size) {
+        const int64_t block = block_table[seq * max_blocks + start / block_size];
+        const int64_t n = std::min(block_size, context - start);
+        const T* k = k_head + block * block_size * D;
+        prefetch_block(task, start / block_size + PREFETCH_BLOCKS);
+        for (int64_t t = 0; t < n; ++t, k += D) {
+          for (int64_t d = 0; d < D; ++d) row[d] = to_float(k[d]);
+          for (int64_t h = 0; h < per_kv; ++h) {
+            const float* qh = query.data() + h * D;
+            float dot = 0.f;
+            for (int64_t d = 0; d < D; ++d) dot += qh[d] * row[d];
+            scores[h * block_size + t] = dot;
+          }
+        }
         for (int64_t h = 0; h < per_kv; ++h) {
-          const float p = scores[h * context + t];
-          float* a = acc.data() + h * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+          float* s = scores.data() + h * block_size;
+          float block_max = max_score[h];
+          for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
+          if (block_max > max_score[h]) {
+            const float shrink = std::exp(max_score[h] - block_max);
+            total[h] *= shrink;
+            float* a = acc.data() + h * D;
+            for (int64_t d = 0; d < D; ++d) a[d] *= shrink;
+            max_score[h] = block_max;
+          }
+          for (int64_t t = 0; t < n; ++t) total[h] += (s[t] = std::exp(s[t] - block_max));
+        }
+        const T* v = v_head + block * block_size * D;
+        for (int64_t t = 0; t < n; ++t, v += D) {
+          for (int64_t d = 0; d < D; ++d) row[d] = to_float(v[d]);
+          for (int64_t h = 0; h < per_kv; ++h) {
+            const float p = scores[h * block_size + t];
+            float* a = acc.data() + h * D;
+            for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+          }
         }
       }
-      for (int64_t h = 0; h < per_kv; ++h)
-        for (int64_t d = 0; d < head_dim; ++d)
-          out[(seq * num_heads + kv_head * per_kv + h) * head_dim + d] = static_cast<T>(acc[h * head_dim + d]);
+      T* o = out + (seq * num_heads + kv_head * per_kv) * D;
+      for (int64_t h = 0; h < per_kv; ++h) {
+        const float inv = 1.f / total[h];
+        for (int64_t d = 0; d < D; ++d) o[h * D + d] = static_cast<T>(acc[h * D + d] * inv);
+      }
     }
   });
+}
+
+template <typename T>
+void decode_attention_any(int64_t head_dim, const T* q, const T* kv, const int32_t* block_table,
+                          const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                          float scale) {
+  switch (head_dim) {
+#define NANOSERVE_HEAD_DIM(D)                                                                              \
+  case D:                                                                                                  \
+    return decode_attention<T, D>(q, kv, block_table, seq_lens, out, num_seqs, num_heads, num_kv_heads,    \
+                                  num_blocks, block_size, head_dim, max_blocks, scale);
+    NANOSERVE_HEAD_DIM(32)
+    NANOSERVE_HEAD_DIM(64)
+    NANOSERVE_HEAD_DIM(80)
+    NANOSERVE_HEAD_DIM(96)
+    NANOSERVE_HEAD_DIM(128)
+    NANOSERVE_HEAD_DIM(256)
+#undef NANOSERVE_HEAD_DIM
+    default:
+      decode_attention<T, 0>(q, kv, block_table, seq_lens, out, num_seqs, num_heads, num_kv_heads, num_blocks,
+                             block_size, head_dim, max_blocks, scale);
+  }
 }
 
 }  // namespace
@@ -96,14 +154,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   auto out = torch::empty({num_seqs, num_heads * head_dim}, q.options());
   auto lens = seq_lens.contiguous();
   if (q.scalar_type() == torch::kBFloat16) {
-    decode_attention(q.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int32_t>(),
-                     lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), num_seqs, num_heads, num_kv_heads,
-                     num_blocks, block_size, head_dim, block_table.size(1), static_cast<float>(scale));
+    decode_attention_any(head_dim, q.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>(),
+                         block_table.data_ptr<int32_t>(), lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(),
+                         num_seqs, num_heads, num_kv_heads, num_blocks, block_size, block_table.size(1),
+                         static_cast<float>(scale));
   } else {
     TORCH_CHECK(q.scalar_type() == torch::kFloat32, "bfloat16 or float32 only");
-    decode_attention(q.data_ptr<float>(), kv_cache.data_ptr<float>(), block_table.data_ptr<int32_t>(),
-                     lens.data_ptr<int64_t>(), out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads,
-                     num_blocks, block_size, head_dim, block_table.size(1), static_cast<float>(scale));
+    decode_attention_any(head_dim, q.data_ptr<float>(), kv_cache.data_ptr<float>(), block_table.data_ptr<int32_t>(),
+                         lens.data_ptr<int64_t>(), out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads,
+                         num_blocks, block_size, block_table.size(1), static_cast<float>(scale));
   }
   return out;
 }
