@@ -30,7 +30,9 @@ def _reference(q, kv_cache, block_table, seq_lens):
     for seq in range(num_seqs):
         context = int(seq_lens[seq])
         blocks = block_table[seq, : math.ceil(context / block_size)].long()
-        k, v = (kv_cache[i][:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :context].float() for i in (0, 1))
+        k, v = (
+            kv_cache[i][:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :context].float() for i in (0, 1)
+        )
         per_kv = num_heads // num_kv_heads
         k, v = k.repeat_interleave(per_kv, 0), v.repeat_interleave(per_kv, 0)
         probs = torch.softmax(q[seq].float().unsqueeze(1) @ k.transpose(1, 2) / math.sqrt(head_dim), -1)
@@ -55,4 +57,6 @@ def test_decode_attention_matches_reference(kernels, head_dim, dtype):
     out = kernels.paged_decode_attention(q, kv_cache, block_table, seq_lens, 1 / math.sqrt(head_dim))
 
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), _reference(q, kv_cache, block_table, seq_lens), atol=tolerance, rtol=0)
+    torch.testing.assert_close(
+        out.float(), _reference(q, kv_cache, block_table, seq_lens), atol=tolerance, rtol=0
+    )
