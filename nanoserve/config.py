@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 RUNNERS = ("model", "null")
-QUANTIZATIONS = ("none", "int4")
+QUANTIZATIONS = ("none", "int4", "int8")
 CPU_KERNEL_MODES = ("auto", "off")
 START_METHODS = ("spawn", "forkserver", "fork")
 TRANSPORTS = ("ipc", "tcp")
@@ -52,8 +52,9 @@ class EngineOptions:
     num_threads: int | None = None
     """torch intra-op threads for the engine; None uses all cores the process may run on."""
     quantization: str = "none"
-    """int4: weight-only int4 for small steps on CPU (decode at low batch), bf16 for the rest; see
-    nanoserve.model.quant."""
+    """int4 / int8: 4- or 8-bit weights in groups of 32 for steps of up to 64 tokens on CPU (decode),
+    bf16 for bigger ones; with the C++ kernels activations go to int8 too, without them int4 only
+    (torch's kernel). See nanoserve.model.quant."""
     cpu_kernels: str = "auto"
     """auto: decode attention and RMSNorm in C++ kernels compiled on first use (CPU, bfloat16/float32),
     where they build; off: PyTorch ops only."""

@@ -30,6 +30,7 @@ from nanoserve.bench.throughput import load_transformers, make_prompts, summariz
 LABELS = {
     "nanoserve": "nanoserve",
     "nanoserve-int4": "nanoserve int4",
+    "nanoserve-int8": "nanoserve int8",
     "vllm": "vLLM-CPU",
     "llamacpp": "llama.cpp",
 }
@@ -109,6 +110,7 @@ def llamacpp_runner(spec: dict) -> Runner:
 RUNNERS: dict[str, Callable[[dict], Runner]] = {
     "nanoserve": nanoserve_runner,
     "nanoserve-int4": lambda spec: nanoserve_runner(spec, quantization="int4"),
+    "nanoserve-int8": lambda spec: nanoserve_runner(spec, quantization="int8"),
     "vllm": vllm_runner,
     "llamacpp": llamacpp_runner,
 }

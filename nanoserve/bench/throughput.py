@@ -79,11 +79,16 @@ def time_transformers(model, prompts: list[list[int]], new_tokens: int) -> float
 def nanoserve_options(name: str) -> dict:
     """`mp-int4-nokernels` -> the LLM options it names."""
     mode, *suffixes = name.split("-")
-    if mode not in ("mp", "inproc") or not set(suffixes) <= {"int4", "nokernels"}:
+    quantizations = [s for s in suffixes if s in ("int4", "int8")]
+    if (
+        mode not in ("mp", "inproc")
+        or not set(suffixes) <= {"int4", "int8", "nokernels"}
+        or len(quantizations) > 1
+    ):
         raise ValueError(f"unknown engine {name!r}")
     return {
         "multiprocess_mode": mode == "mp",
-        "quantization": "int4" if "int4" in suffixes else "none",
+        "quantization": quantizations[0] if quantizations else "none",
         "cpu_kernels": "off" if "nokernels" in suffixes else "auto",
     }
 
@@ -104,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         "--engines",
         default="mp,transformers",
         help="comma-separated, first is the reference for ratios: mp (engine core in a child process) or "
-        "inproc (same process), each optionally followed by -int4 (--quantization int4) and/or "
+        "inproc (same process), each optionally followed by -int4 or -int8 (--quantization) and/or "
         "-nokernels (--cpu-kernels off), e.g. mp-int4; and transformers",
     )
     parser.add_argument("--profile", action="store_true", help="write a torch profiler trace of a decode run")

@@ -50,7 +50,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default=None, help="auto, cpu or cuda")
     group.add_argument("--num-threads", type=int, default=None)
     group.add_argument(
-        "--quantization", choices=QUANTIZATIONS, default=None, help="int4: int4 weights for decode (CPU)"
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="int4 / int8: quantized weights for decode (CPU)",
     )
     group.add_argument(
         "--cpu-kernels",

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from nanoserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from nanoserve.model.config import ModelConfig
-from nanoserve.model.quant import INT4_MAX_TOKENS, Int4Weight, int4_linear, quantize_int4
+from nanoserve.model.quant import LM_HEAD_QUANT_MAX_ROWS, QuantizedWeight, fast_kernels, quantize_weight
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[Tensor, float]:
@@ -110,17 +110,15 @@ class Linear(nn.Linear):
     """
 
     packed: Tensor | None = None
-    int4: Int4Weight | None = None
+    quantized: QuantizedWeight | None = None
+    """Used for steps of up to quantized.max_tokens rows (see nanoserve.model.quant)."""
 
     def prepack(self) -> None:
         self.packed = _pack(self.weight)
 
-    def quantize_int4(self) -> None:
-        self.int4 = quantize_int4(self.weight)
-
     def forward(self, x: Tensor) -> Tensor:
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:
-            out = int4_linear(x, self.int4)
+        if self.quantized is not None and x.shape[0] <= self.quantized.max_tokens:
+            out = self.quantized.matmul(x)
             return out if self.bias is None else out + self.bias
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias)
@@ -218,6 +216,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.packed_embed: Tensor | None = None  # the tied lm_head packed for oneDNN, see prepack_for_cpu
+        self.quantized_lm_head: QuantizedWeight | None = None  # see quantize
         self.lm_head = (
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
@@ -248,17 +247,26 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, LlamaMLP):
                 module.kernel = kernels.silu_and_mul
 
-    def quantize_int4(self) -> None:
-        """Add int4 copies of the decoder layers' matmul weights for small steps (see
-        nanoserve.model.quant). The lm_head stays as it is: logits are where 4-bit error shows most
-        (the bundled GGUF ships its embedding, which is its lm_head, in 8 bits for that reason)."""
+    def quantize(self, method: str, kernels: ModuleType | None) -> None:
+        """Add quantized copies of the matmul weights for small steps (see nanoserve.model.quant): the
+        decoder layers' in 4 or 8 bits; the lm_head's, the largest single weight of a small model, in 8
+        bits, and only with the C++ kernel (4 bits there raised perplexity by 8%)."""
+        bits = {"int4": 4, "int8": 8}[method]
         for layer in self.layers:
             for module in layer.modules():
                 if isinstance(module, Linear):
-                    module.quantize_int4()
+                    module.quantized = quantize_weight(module.weight, bits, kernels)
+        if fast_kernels(kernels):
+            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self.quantized_lm_head = quantize_weight(head, 8, kernels)
+            if self.quantized_lm_head is not None:
+                self.quantized_lm_head.max_tokens = LM_HEAD_QUANT_MAX_ROWS
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> float32 [N, vocab]."""
+        head = self.quantized_lm_head
+        if head is not None and hidden.shape[0] <= head.max_tokens:
+            return head.matmul(hidden).float()
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self.packed_embed is not None:

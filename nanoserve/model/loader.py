@@ -8,13 +8,14 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
 
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.llama import LlamaForCausalLM, cpu_prepack_supported
-from nanoserve.model.quant import int4_supported
+from nanoserve.model.quant import quantization_error
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _QUANT_SUFFIX = re.compile(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORECASE)
@@ -63,8 +64,17 @@ def load_model_config(path: str) -> ModelConfig:
 
 
 def load_model(
-    path: str, config: ModelConfig, dtype: torch.dtype, device: torch.device, quantization: str = "none"
+    path: str,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str = "none",
+    kernels: ModuleType | None = None,
 ) -> LlamaForCausalLM:
+    """kernels: the C++ CPU kernels (nanoserve.model.kernels), for the quantized formats they run."""
+    error = quantization_error(quantization, device, kernels)
+    if error:
+        raise ValueError(error)
     weights = _gguf_weights(path, config) if _is_gguf(path) else _hf_weights(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -87,12 +97,8 @@ def load_model(
     model.requires_grad_(False).eval()
     if cpu_prepack_supported(dtype, device):
         model.prepack_for_cpu()
-    if quantization == "int4":
-        if not int4_supported(device):
-            raise ValueError(
-                f"quantization 'int4' needs a CPU device and torch's CPU int4 kernel; got {device}."
-            )
-        model.quantize_int4()
+    if quantization != "none":
+        model.quantize(quantization, kernels)
     return model
 
 

@@ -42,23 +42,23 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self.max_model_len = self.config.max_position_embeddings
         self.eos_token_id = self.config.eos_token_id
+        self.kernels = None
+        if options.cpu_kernels == "auto" and self.device.type == "cpu" and self.dtype != torch.float16:
+            self.kernels = cpu_kernels()
         start = time.perf_counter()
         self.model = self._load()
         logger.info(
             "loaded %s (%s) in %.1f s", self.config.name, self.dtype_name, time.perf_counter() - start
         )
-        self.kernels = None
-        if options.cpu_kernels == "auto" and self.device.type == "cpu" and self.dtype != torch.float16:
-            self.kernels = cpu_kernels()
-            if self.kernels is not None:
-                self.model.use_cpu_kernels(self.kernels)
+        if self.kernels is not None:
+            self.model.use_cpu_kernels(self.kernels)
         self.sampler = Sampler(options.seed)
         self.kv_caches: list[torch.Tensor] = []
         self._offloaded: dict[str, torch.Tensor] | None = None
 
     def _load(self) -> torch.nn.Module:
         return load_model(
-            self.model_path, self.config, self.dtype, self.device, self.options.quantization
+            self.model_path, self.config, self.dtype, self.device, self.options.quantization, self.kernels
         ).eval()
 
     # -- KV cache and memory ------------------------------------------------------------------

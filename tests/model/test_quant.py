@@ -1,5 +1,5 @@
-"""Weight-only int4 (--quantization int4): the kernel's layout, the per-step choice between int4 and bf16
-weights, and the quality cost on the bundled model."""
+"""Quantized weights (--quantization int4 / int8): the kernels against dequantized weights, the per-step
+choice between quantized and bf16 weights, and the quality cost on the bundled model."""
 
 from __future__ import annotations
 
@@ -9,52 +9,98 @@ import pytest
 import torch
 from paged_driver import PagedDriver
 
+from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.llama import Linear
 from nanoserve.model.loader import load_model, load_model_config
-from nanoserve.model.quant import INT4_GROUP_SIZE, INT4_MAX_TOKENS, int4_linear, int4_supported, quantize_int4
-
-pytestmark = pytest.mark.skipif(not int4_supported(torch.device("cpu")), reason="no CPU int4 kernel")
+from nanoserve.model.quant import (
+    GROUP_SIZE,
+    fast_kernels,
+    quantization_error,
+    quantize_groups,
+    quantize_torch_int4,
+    quantize_weight,
+)
 
 CPU = torch.device("cpu")
 
 
-def snap_to_int4_grid(weight: torch.Tensor) -> torch.Tensor:
-    """The nearest weight that int4 with groups of 32 represents exactly (bf16 scales aside)."""
+@pytest.fixture(scope="module")
+def kernels():
+    """The C++ kernels when quant_matmul runs here, else None (quantization then uses torch's int4)."""
+    module = cpu_kernels()
+    return module if fast_kernels(module) else None
+
+
+def needs_quant_matmul(kernels):
+    if kernels is None:
+        pytest.skip("the C++ quant_matmul (AVX-512 VNNI) is not available here")
+
+
+def on_grid(weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """The nearest weight that `bits` codes with groups of 32 represent exactly (bf16 scales aside)."""
     n, k = weight.shape
-    groups = weight.float().view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+    groups = weight.float().view(n, k // GROUP_SIZE, GROUP_SIZE)
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    scale = (high - low) / 15
+    scale = (high - low) / (2**bits - 1)
     return ((groups - low) / scale).round().mul(scale).add(low).view(n, k).to(weight.dtype)
 
 
-def test_int4_linear_reproduces_weights_on_its_grid():
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as quant_matmul sees it: rounded to int8 steps per group of 32."""
+    groups = x.float().view(x.shape[0], -1, GROUP_SIZE)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    return ((groups / scale).round() * scale).view(x.shape)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_quant_matmul_equals_quantized_reference(kernels, bits, rows):
+    needs_quant_matmul(kernels)
+    torch.manual_seed(bits * rows)
+    weight = on_grid(torch.randn(320, 576) * 0.05, bits)
+    x = torch.randn(rows, 576)
+    out = quantize_groups(weight, bits, kernels.quant_matmul).matmul(x)
+    # exact on both grids (up to the bf16 scales), and within int8 rounding of float activations
+    torch.testing.assert_close(out, int8_activations(x) @ weight.T, atol=0.05, rtol=0.02)
+    exact = x @ weight.T
+    assert (out - exact).norm() < 0.01 * exact.norm()
+
+
+def test_torch_int4_reproduces_weights_on_its_grid():
     torch.manual_seed(0)
-    weight = snap_to_int4_grid(torch.randn(96, 128) * 0.05)
-    for tokens in (1, 5, INT4_MAX_TOKENS):
+    weight = on_grid(torch.randn(96, 128) * 0.05, 4)
+    for tokens in (1, 5, 16):
         x = torch.randn(tokens, 128)
-        out = int4_linear(x.bfloat16(), quantize_int4(weight)).float()
+        out = quantize_torch_int4(weight).matmul(x.bfloat16()).float()
         torch.testing.assert_close(out, x @ weight.T, atol=0.02, rtol=0.02)
 
 
-def test_int4_needs_whole_groups():
-    assert quantize_int4(torch.randn(16, 48)) is None
+def test_shapes_that_do_not_split_stay_unquantized(kernels):
+    assert quantize_torch_int4(torch.randn(16, 48)) is None  # K not in groups of 32
+    assert quantize_weight(torch.randn(20, 64), 4, kernels) is (None if kernels else not None)
 
 
-def _bf16_model(path: str, quantize: bool, snap: bool):
+def test_int8_without_the_kernels_is_a_clear_error():
+    assert "AVX-512 VNNI" in quantization_error("int8", CPU, None)
+    assert quantization_error("int4", torch.device("cuda"), None).startswith("quantization 'int4' is for CPU")
+    assert quantization_error("none", torch.device("cuda"), None) is None
+
+
+def _bf16_model(path: str, method: str, kernels, snap: bool = False):
     model = load_model(path, load_model_config(path), torch.bfloat16, CPU)
     if snap:
         for layer in model.layers:
             for module in layer.modules():
                 if isinstance(module, Linear):
-                    module.weight.copy_(snap_to_int4_grid(module.weight))
+                    module.weight.copy_(on_grid(module.weight, 4))
         model.prepack_for_cpu()
-    if quantize:
-        model.quantize_int4()
+    if method != "none":
+        model.quantize(method, kernels)
     return model
 
 
 def _step_logits(model, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of one prefill step bigger than INT4_MAX_TOKENS, then of three decode steps."""
+    """Logits of one prefill step bigger than any quantized path takes, then of three decode steps."""
     driver = PagedDriver(model, prompts)
     driver.step({i: len(p) for i, p in enumerate(prompts)})
     prefill = torch.stack([rows[-1] for rows in driver.logits])
@@ -63,20 +109,29 @@ def _step_logits(model, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.T
     return prefill, torch.stack([r for rows in driver.logits for r in rows[-3:]])
 
 
+@pytest.mark.parametrize("backend", ["quant_matmul", "torch"])
 @pytest.mark.parametrize("snap", [True, False], ids=["weights-on-int4-grid", "arbitrary-weights"])
-def test_int4_serves_small_steps_and_bf16_large_ones(tiny_gqa_dir, snap):
-    prompts = [list(range(5, 25)), list(range(100, 107))]
-    assert sum(map(len, prompts)) > INT4_MAX_TOKENS
-    path = str(tiny_gqa_dir)
-    bf16_prefill, bf16_decode = _step_logits(_bf16_model(path, quantize=False, snap=snap), prompts)
-    int4_prefill, int4_decode = _step_logits(_bf16_model(path, quantize=True, snap=snap), prompts)
-    torch.testing.assert_close(int4_prefill, bf16_prefill, atol=0, rtol=0)  # a large step: bf16 weights
-    decode_error = (int4_decode - bf16_decode).abs().max().item()
-    scale = bf16_decode.abs().max().item()
-    if snap:
-        assert decode_error < 0.03 * scale  # the same weights: bf16 rounding only
+def test_int4_steps_use_the_weights_their_kernel_serves(tiny_gqa_dir, kernels, snap, backend):
+    if backend == "quant_matmul":
+        needs_quant_matmul(kernels)
     else:
-        assert decode_error > 0.03 * scale  # 4-bit weights: decode steps really use them
+        kernels = None
+    prompts = [list(range(5, 55)), list(range(100, 130))]  # an 80-token prefill: above torch's 16
+    path = str(tiny_gqa_dir)
+    bf16_prefill, bf16_decode = _step_logits(_bf16_model(path, "none", kernels, snap), prompts)
+    int4_prefill, int4_decode = _step_logits(_bf16_model(path, "int4", kernels, snap), prompts)
+    prefill_quantized = backend == "quant_matmul"
+    for bf16, int4, quantized in (
+        (bf16_prefill, int4_prefill, prefill_quantized),
+        (bf16_decode, int4_decode, True),
+    ):
+        error, scale = (int4 - bf16).abs().max().item(), bf16.abs().max().item()
+        if not quantized:
+            assert error == 0  # the bf16 weights
+        elif snap:
+            assert error < 0.03 * scale  # the same weights: rounding of scales and activations only
+        else:
+            assert error > 0.03 * scale  # 4-bit weights really used
 
 
 QUALITY_TEXT = (
@@ -85,27 +140,49 @@ QUALITY_TEXT = (
     "school as a shelter, and volunteers brought blankets, bread and hot soup. When the rain stopped "
     "two days later, people began to clean the mud from their houses. Engineers came to inspect the "
     "old bridge, which had lost part of its railing but still stood. Within a month the market was "
-    "open again, and children were back in their classrooms."
+    "open again, and children were back in their classrooms.\n\n"
+    "A good loaf of bread needs only flour, water, salt and yeast, but it also needs time. Mix the flour "
+    "and water first and let them rest for half an hour, so the flour can absorb the water. Then add the "
+    "salt and the yeast and knead the dough until it is smooth and springs back when you press it. Cover "
+    "the bowl and leave it in a warm place until the dough has doubled in size. Shape it gently, let it "
+    "rise once more, and bake it in a hot oven until the crust is deep brown and the loaf sounds hollow "
+    "when you tap the bottom.\n\n"
+    "Computers store numbers in binary, using only the digits zero and one. Each digit is called a bit, "
+    "and eight bits make a byte. A byte can hold any whole number from zero to two hundred and "
+    "fifty-five. To store larger numbers, computers use several bytes together. Fractions are stored in "
+    "a different way, as a sign, a set of significant digits and an exponent, which lets the same "
+    "number of bits describe both very large and very small values, at the cost of some precision."
 )
-PERPLEXITY_BOUND = 1.03
-"""int4 may raise the bundled model's perplexity on QUALITY_TEXT by at most 3%."""
+PERPLEXITY_BOUND = {"int4": 1.03, "int8": 1.01}
+"""How much each method may raise the bundled model's perplexity on QUALITY_TEXT (about 420 tokens; on
+a 110-token text, changes as small as the order of a rounding moved it by 1%). Measured with the C++
+kernel: int4 1.008x, int8 1.003x."""
 
 
 def _perplexity(model, token_ids: list[int]) -> float:
-    """Teacher-forced, in INT4_MAX_TOKENS-token steps, so an int4 model runs every step on int4."""
-    driver = PagedDriver(model, [token_ids], num_blocks=64)
-    for start in range(0, len(token_ids), INT4_MAX_TOKENS):
-        driver.step({0: min(INT4_MAX_TOKENS, len(token_ids) - start)})
+    """Teacher-forced 4 tokens a step, as decode at small batch runs: a quantized model uses its
+    quantized weights everywhere, the lm_head's included."""
+    driver = PagedDriver(model, [token_ids], num_blocks=160)
+    for start in range(0, len(token_ids), 4):
+        driver.step({0: min(4, len(token_ids) - start)})
     logits = torch.stack(driver.logits[0][:-1])
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(token_ids[1:]))
     return math.exp(nll.item())
 
 
-def test_int4_perplexity_on_bundled_model(bundled_gguf_path):
+@pytest.fixture(scope="module")
+def bf16_perplexity(bundled_gguf_path):
     from nanoserve.model.loader import load_tokenizer
 
     token_ids = load_tokenizer(bundled_gguf_path).encode(QUALITY_TEXT)
-    bf16 = _perplexity(_bf16_model(bundled_gguf_path, quantize=False, snap=False), token_ids)
-    int4 = _perplexity(_bf16_model(bundled_gguf_path, quantize=True, snap=False), token_ids)
-    print(f"perplexity bf16 {bf16:.3f}, int4 {int4:.3f} ({int4 / bf16:.4f}x)")
-    assert int4 < PERPLEXITY_BOUND * bf16
+    return token_ids, _perplexity(_bf16_model(bundled_gguf_path, "none", None), token_ids)
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_perplexity_on_bundled_model(bundled_gguf_path, bf16_perplexity, kernels, method):
+    if quantization_error(method, CPU, kernels):
+        pytest.skip(quantization_error(method, CPU, kernels))
+    token_ids, bf16 = bf16_perplexity
+    quantized = _perplexity(_bf16_model(bundled_gguf_path, method, kernels), token_ids)
+    print(f"perplexity bf16 {bf16:.3f}, {method} {quantized:.3f} ({quantized / bf16:.4f}x)")
+    assert quantized < PERPLEXITY_BOUND[method] * bf16

@@ -20,7 +20,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "quant_matmul.cpp")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 """-ffast-math lets the compiler vectorize the float reductions (sums in any order)."""
 
@@ -33,11 +33,13 @@ def _build_dir() -> Path:
 def cpu_kernels() -> ModuleType | None:
     """The module with `paged_decode_attention(q [S, H, D], kv_cache, block_table int32 [S, B], seq_lens
     int64 [S], scale) -> [S, H * D]`, `rope_write_kv(qkv, cos_sin, kv_cache, slot_mapping, H, Hkv) -> q`,
-    `rms_norm(x [T, hidden], weight, eps)` and `silu_and_mul(x [T, 2 I]) -> [T, I]`, bfloat16 or float32;
-    None when it cannot be built here."""
+    `rms_norm(x [T, hidden], weight, eps)` and `silu_and_mul(x [T, 2 I]) -> [T, I]`, bfloat16 or float32,
+    and `quant_matmul(x, codes, scales, bits)` where `quant_matmul_supported()` (see
+    nanoserve.model.quant); None when it cannot be built here."""
     import torch
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode())
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    digest.update(" ".join(FLAGS).encode() + torch.__version__.encode())
     name = f"nanoserve_cpu_kernels_{digest.hexdigest()[:12]}"
     build_dir = _build_dir() / name
     library = build_dir / f"{name}.so"
@@ -53,7 +55,7 @@ def cpu_kernels() -> ModuleType | None:
         logger.info("building the C++ CPU kernels (once, about half a minute)")
         return load(
             name,
-            [str(SOURCE)],
+            [str(source) for source in SOURCES],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),

@@ -11,6 +11,8 @@
 // to the cache on the way: one pass where PyTorch needs slices, a roll, a multiply and an addcmul.
 //
 // silu_and_mul: silu(gate) * up over the fused gate/up projection, one pass instead of three ops.
+//
+// quant_matmul (quant_matmul.cpp): group-quantized weights times int8-quantized activations, for decode.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -296,9 +298,14 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
+bool quant_matmul_supported();
+torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("rms_norm", &rms_norm);
+  m.def("quant_matmul_supported", &quant_matmul_supported);
+  m.def("quant_matmul", &quant_matmul);
 }

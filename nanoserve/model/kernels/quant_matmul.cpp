@@ -1,0 +1,174 @@
+// quant_matmul: x @ W.T with W in groups of 32 inputs, 4- or 8-bit unsigned codes, a scale and an offset
+// per group (w = code * scale + low).
+//
+// A decode step reads every weight once and does little arithmetic with it. Expanding codes to floats
+// costs more instructions than the memory system needs to deliver them, so the activations are quantized
+// too, to int8 per group of 32 (scale = max |x| / 127), and each group is a VNNI integer dot product:
+// one instruction multiplies 64 codes by 64 activations. The offset term uses the sum of the quantized
+// activations, not the exact one: codes are unsigned, so code * scale carries most of each weight's value
+// as a bias that the offset cancels, and with the same activations on both sides their rounding cancels
+// with it (with the exact sum the error is three times as large).
+//
+// Codes are laid out in tiles of 16 output columns, so that one vector holds 4 consecutive inputs of 16
+// columns and each dot product lands in one lane per column (no horizontal sums):
+//   4 bits: [N / 16, K / 32, 4, 16 columns, 4 inputs], quad q in the low nibbles and quad q + 4 in the high
+//   8 bits: [N / 16, K / 32, 8, 16 columns, 4 inputs]
+//   scales: bfloat16 [N / 16, K / 32, 2, 16 columns] (scale, then low)
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define NANOSERVE_QUANT_MATMUL 1
+#endif
+
+namespace {
+
+constexpr int64_t GROUP = 32;
+constexpr int64_t TILE = 16;
+constexpr int64_t MAX_ROWS = 8;  // rows of x per pass over a tile, their sums in registers (16 spill)
+
+#ifdef NANOSERVE_QUANT_MATMUL
+
+inline __m512 bf16_to_float(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The codes of one group of one tile as 8 vectors of u8 [16 columns, 4 inputs], quad by quad.
+template <int BITS>
+inline void load_group(const uint8_t* codes, __m512i quads[8]) {
+  if constexpr (BITS == 4) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    for (int v = 0; v < 4; ++v) {
+      const __m512i packed = _mm512_loadu_si512(codes + 64 * v);
+      quads[v] = _mm512_and_si512(packed, nibble);
+      quads[v + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    }
+  } else {
+    for (int v = 0; v < 8; ++v) quads[v] = _mm512_loadu_si512(codes + 64 * v);
+  }
+}
+
+// out columns of tiles [tile_begin, tile_end) for ROWS rows of quantized x
+template <int BITS, int ROWS>
+void tile_rows(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
+               const at::BFloat16* scales, float* out, int64_t k, int64_t n, int64_t tile_begin,
+               int64_t tile_end) {
+  const int64_t groups = k / GROUP, group_bytes = GROUP * TILE * BITS / 8;
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+    const uint8_t* c = codes + tile * groups * group_bytes;
+    const at::BFloat16* s = scales + tile * groups * 2 * TILE;
+    __m512 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g, c += group_bytes, s += 2 * TILE) {
+      __m512i quads[8];
+      load_group<BITS>(c, quads);
+      const __m512 w_scale = bf16_to_float(s), w_low = bf16_to_float(s + TILE);
+      for (int r = 0; r < ROWS; ++r) {
+        const int32_t* xg = reinterpret_cast<const int32_t*>(xq + r * k + g * GROUP);  // 4 inputs per int32
+        __m512i dot = _mm512_setzero_si512();
+        for (int q = 0; q < 8; ++q) dot = _mm512_dpbusd_epi32(dot, quads[q], _mm512_set1_epi32(xg[q]));
+        const __m512 scale = _mm512_mul_ps(w_scale, _mm512_set1_ps(x_scales[r * groups + g]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+        acc[r] = _mm512_fmadd_ps(w_low, _mm512_set1_ps(x_sums[r * groups + g]), acc[r]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(out + r * n + tile * TILE, acc[r]);
+  }
+}
+
+inline float as_float(float x) { return x; }
+inline float as_float(at::BFloat16 x) { return static_cast<float>(x); }
+
+// Each group of 32 activations to int8 (scale = max |x| / 127), with its scale and the sum of its
+// quantized values (times the scale), in one pass.
+template <typename T>
+void quantize_activations(const T* x, int8_t* xq, float* scales, float* sums, int64_t groups) {
+  at::parallel_for(0, groups, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const T* in = x + g * GROUP;
+      float values[GROUP], max_abs = 0.f;
+      for (int64_t i = 0; i < GROUP; ++i) max_abs = std::max(max_abs, std::abs(values[i] = as_float(in[i])));
+      const float scale = std::max(max_abs / 127.f, 1e-30f);
+      int32_t total = 0;
+      for (int64_t i = 0; i < GROUP; ++i) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(values[i] / scale));
+        xq[g * GROUP + i] = static_cast<int8_t>(q);
+        total += q;
+      }
+      scales[g] = scale;
+      sums[g] = total * scale;
+    }
+  });
+}
+
+template <int BITS>
+void quant_matmul_impl(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
+                       const at::BFloat16* scales, float* out, int64_t rows, int64_t k, int64_t n) {
+  const int64_t groups = k / GROUP;
+  at::parallel_for(0, n / TILE, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t row = 0; row < rows; row += MAX_ROWS) {
+      const int8_t* xr = xq + row * k;
+      const float* sc = x_scales + row * groups;
+      const float* su = x_sums + row * groups;
+      float* o = out + row * n;
+      switch (std::min(MAX_ROWS, rows - row)) {
+        case 1: tile_rows<BITS, 1>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
+        case 2: tile_rows<BITS, 2>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
+        case 3: tile_rows<BITS, 3>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
+        case 4: tile_rows<BITS, 4>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
+        case 5: tile_rows<BITS, 5>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
+        case 6: tile_rows<BITS, 6>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
+        case 7: tile_rows<BITS, 7>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
+        default: tile_rows<BITS, 8>(xr, sc, su, codes, scales, o, k, n, begin, end);
+      }
+    }
+  });
+}
+
+#endif  // NANOSERVE_QUANT_MATMUL
+
+}  // namespace
+
+bool quant_matmul_supported() {
+#ifdef NANOSERVE_QUANT_MATMUL
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x: [M, K]; codes and scales as laid out above, bits 4 or 8 -> [M, N] in x's dtype.
+torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits) {
+#ifdef NANOSERVE_QUANT_MATMUL
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_matmul: 4 or 8 bits");
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && codes.is_contiguous() && scales.is_contiguous());
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kBFloat16);
+  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0) * TILE;
+  TORCH_CHECK(k % GROUP == 0 && codes.size(1) == k * TILE * bits / 8, "quant_matmul: codes do not match x");
+  TORCH_CHECK(scales.numel() == n / TILE * (k / GROUP) * 2 * TILE, "quant_matmul: scales do not match codes");
+  auto xq = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
+  auto x_scales = torch::empty({rows, k / GROUP}, x.options().dtype(torch::kFloat32));
+  auto x_sums = torch::empty_like(x_scales);
+  auto xc = x.contiguous();
+  if (xc.scalar_type() == torch::kBFloat16) {
+    quantize_activations(xc.data_ptr<at::BFloat16>(), xq.data_ptr<int8_t>(), x_scales.data_ptr<float>(),
+                         x_sums.data_ptr<float>(), rows * k / GROUP);
+  } else {
+    TORCH_CHECK(xc.scalar_type() == torch::kFloat32, "quant_matmul: bfloat16 or float32 x");
+    quantize_activations(xc.data_ptr<float>(), xq.data_ptr<int8_t>(), x_scales.data_ptr<float>(),
+                         x_sums.data_ptr<float>(), rows * k / GROUP);
+  }
+  auto out = torch::empty({rows, n}, x.options().dtype(torch::kFloat32));
+  auto run = bits == 4 ? quant_matmul_impl<4> : quant_matmul_impl<8>;
+  run(xq.data_ptr<int8_t>(), x_scales.data_ptr<float>(), x_sums.data_ptr<float>(), codes.data_ptr<uint8_t>(),
+      scales.data_ptr<at::BFloat16>(), out.data_ptr<float>(), rows, k, n);
+  return out.to(x.scalar_type());
+#else
+  TORCH_CHECK(false, "quant_matmul needs AVX-512 VNNI; check quant_matmul_supported() first");
+#endif
+}
