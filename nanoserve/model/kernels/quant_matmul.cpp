@@ -53,10 +53,19 @@ inline void load_group(const uint8_t* codes, __m512i quads[8]) {
   }
 }
 
+inline void store(float* out, __m512 values) { _mm512_storeu_ps(out, values); }
+
+inline void store(at::BFloat16* out, __m512 values) {  // round to nearest even, as torch does
+  const __m512i bits = _mm512_castps_si512(values);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
 // out columns of tiles [tile_begin, tile_end) for ROWS rows of quantized x
-template <int BITS, int ROWS>
+template <int BITS, int ROWS, typename T>
 void tile_rows(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
-               const at::BFloat16* scales, float* out, int64_t k, int64_t n, int64_t tile_begin,
+               const at::BFloat16* scales, T* out, int64_t k, int64_t n, int64_t tile_begin,
                int64_t tile_end) {
   const int64_t groups = k / GROUP, group_bytes = GROUP * TILE * BITS / 8;
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
@@ -77,7 +86,7 @@ void tile_rows(const int8_t* xq, const float* x_scales, const float* x_sums, con
         acc[r] = _mm512_fmadd_ps(w_low, _mm512_set1_ps(x_sums[r * groups + g]), acc[r]);
       }
     }
-    for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(out + r * n + tile * TILE, acc[r]);
+    for (int r = 0; r < ROWS; ++r) store(out + r * n + tile * TILE, acc[r]);
   }
 }
 
@@ -106,25 +115,25 @@ void quantize_activations(const T* x, int8_t* xq, float* scales, float* sums, in
   });
 }
 
-template <int BITS>
+template <int BITS, typename T>
 void quant_matmul_impl(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
-                       const at::BFloat16* scales, float* out, int64_t rows, int64_t k, int64_t n) {
+                       const at::BFloat16* scales, T* out, int64_t rows, int64_t k, int64_t n) {
   const int64_t groups = k / GROUP;
   at::parallel_for(0, n / TILE, 4, [&](int64_t begin, int64_t end) {
     for (int64_t row = 0; row < rows; row += MAX_ROWS) {
       const int8_t* xr = xq + row * k;
       const float* sc = x_scales + row * groups;
       const float* su = x_sums + row * groups;
-      float* o = out + row * n;
+      T* o = out + row * n;
       switch (std::min(MAX_ROWS, rows - row)) {
-        case 1: tile_rows<BITS, 1>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
-        case 2: tile_rows<BITS, 2>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
-        case 3: tile_rows<BITS, 3>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
-        case 4: tile_rows<BITS, 4>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
-        case 5: tile_rows<BITS, 5>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
-        case 6: tile_rows<BITS, 6>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
-        case 7: tile_rows<BITS, 7>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
-        default: tile_rows<BITS, 8>(xr, sc, su, codes, scales, o, k, n, begin, end);
+        case 1: tile_rows<BITS, 1, T>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
+        case 2: tile_rows<BITS, 2, T>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
+        case 3: tile_rows<BITS, 3, T>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
+        case 4: tile_rows<BITS, 4, T>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
+        case 5: tile_rows<BITS, 5, T>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
+        case 6: tile_rows<BITS, 6, T>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
+        case 7: tile_rows<BITS, 7, T>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
+        default: tile_rows<BITS, 8, T>(xr, sc, su, codes, scales, o, k, n, begin, end);
       }
     }
   });
@@ -154,20 +163,29 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   auto xq = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
   auto x_scales = torch::empty({rows, k / GROUP}, x.options().dtype(torch::kFloat32));
   auto x_sums = torch::empty_like(x_scales);
+  auto out = torch::empty({rows, n}, x.options());
   auto xc = x.contiguous();
-  if (xc.scalar_type() == torch::kBFloat16) {
+  const bool bf16 = xc.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || xc.scalar_type() == torch::kFloat32, "quant_matmul: bfloat16 or float32 x");
+  if (bf16) {
     quantize_activations(xc.data_ptr<at::BFloat16>(), xq.data_ptr<int8_t>(), x_scales.data_ptr<float>(),
                          x_sums.data_ptr<float>(), rows * k / GROUP);
   } else {
-    TORCH_CHECK(xc.scalar_type() == torch::kFloat32, "quant_matmul: bfloat16 or float32 x");
     quantize_activations(xc.data_ptr<float>(), xq.data_ptr<int8_t>(), x_scales.data_ptr<float>(),
                          x_sums.data_ptr<float>(), rows * k / GROUP);
   }
-  auto out = torch::empty({rows, n}, x.options().dtype(torch::kFloat32));
-  auto run = bits == 4 ? quant_matmul_impl<4> : quant_matmul_impl<8>;
-  run(xq.data_ptr<int8_t>(), x_scales.data_ptr<float>(), x_sums.data_ptr<float>(), codes.data_ptr<uint8_t>(),
-      scales.data_ptr<at::BFloat16>(), out.data_ptr<float>(), rows, k, n);
-  return out.to(x.scalar_type());
+  auto run = [&](auto* out_data) {
+    using T = std::remove_pointer_t<decltype(out_data)>;
+    (bits == 4 ? quant_matmul_impl<4, T> : quant_matmul_impl<8, T>)(
+        xq.data_ptr<int8_t>(), x_scales.data_ptr<float>(), x_sums.data_ptr<float>(), codes.data_ptr<uint8_t>(),
+        scales.data_ptr<at::BFloat16>(), out_data, rows, k, n);
+  };
+  if (bf16) {
+    run(out.data_ptr<at::BFloat16>());
+  } else {
+    run(out.data_ptr<float>());
+  }
+  return out;
 #else
   TORCH_CHECK(false, "quant_matmul needs AVX-512 VNNI; check quant_matmul_supported() first");
 #endif
