@@ -209,7 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="nanoserve bench peers", description=__doc__)
     parser.add_argument("--model", default=None, help=".gguf file (default: the bundled SmolLM2 Q4_1)")
     parser.add_argument(
-        "--systems", default="nanoserve,nanoserve-int4,vllm,llamacpp", help="comma-separated subset"
+        "--systems",
+        default="nanoserve,nanoserve-int4,nanoserve-int8,vllm,llamacpp",
+        help="comma-separated subset",
     )
     parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
     parser.add_argument("--prompt-len", type=int, default=32)
