@@ -2,7 +2,8 @@
 
 The model tests run the kernel through tiny models (head size 16); these cover the head sizes compiled
 as constants (64 is the bundled model's), contexts of many blocks whose scores grow along the context
-(so the running softmax must rescale), and a block table wider than any context.
+(so the running softmax must rescale), a block table wider than any context, and contexts split into
+parts when there are fewer tasks than threads.
 """
 
 from __future__ import annotations
@@ -40,19 +41,38 @@ def _reference(q, kv_cache, block_table, seq_lens):
     return torch.stack(out)
 
 
+@pytest.fixture
+def two_threads():
+    """The split into parts depends on the thread count: make it the same on every machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+CASES = {
+    "batch": (6, 2, [1, 16, 17, 95, 300]),
+    # fewer (sequence, KV head) tasks than threads can share: long contexts split into parts, the short
+    # sequence's second part empty
+    "few-tasks": (4, 1, [1000, 20]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("head_dim", [64, 128, 24])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_matches_reference(kernels, head_dim, dtype):
+def test_decode_attention_matches_reference(kernels, two_threads, head_dim, dtype, case):
     torch.manual_seed(head_dim)
-    num_heads, num_kv_heads, block_size, num_blocks = 6, 2, 16, 64
-    seq_lens = torch.tensor([1, 16, 17, 95, 300], dtype=torch.int64)
+    num_heads, num_kv_heads, lengths = CASES[case]
+    block_size, num_blocks = 16, 160
+    seq_lens = torch.tensor(lengths, dtype=torch.int64)
     kv_cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim)
     # keys that line up with the query more and more along the context: the max moves block by block
     q = torch.randn(len(seq_lens), num_heads, head_dim)
     ramp = torch.linspace(0, 3, num_blocks * block_size).view(num_blocks, block_size, 1)
     kv_cache[0] += ramp * q[:, :num_kv_heads].mean(0).view(num_kv_heads, 1, 1, head_dim)
     q, kv_cache = q.to(dtype), kv_cache.to(dtype)
-    block_table = torch.stack([torch.randperm(num_blocks)[:20] for _ in seq_lens]).int()
+    block_table = torch.stack([torch.randperm(num_blocks)[:64] for _ in seq_lens]).int()
 
     out = kernels.paged_decode_attention(q, kv_cache, block_table, seq_lens, 1 / math.sqrt(head_dim))
 

@@ -3,7 +3,8 @@
 // paged_decode_attention: one query token per sequence, grouped-query heads, straight from the paged KV
 // cache. Each (sequence, KV head) pair is one task that walks the context a cache block at a time: its
 // query heads' scores for the block, a running softmax (max and total rescaled when the max grows), and
-// the weighted sum of the block's V rows. Each cached K and V row is read once, in place.
+// the weighted sum of the block's V rows. Each cached K and V row is read once, in place. With fewer tasks
+// than threads can share, long contexts are split into parts whose results are merged.
 //
 // rms_norm: one pass per row in float32, where PyTorch's CPU rms_norm is a chain of eight ops.
 //
@@ -16,6 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -31,6 +33,7 @@ inline float to_float(at::BFloat16 x) {
 inline float to_float(float x) { return x; }
 
 constexpr int64_t PREFETCH_BLOCKS = 4;
+constexpr int64_t MIN_PART_TOKENS = 256;
 
 template <typename T, int FIXED_D>
 void decode_attention(const T* q, const T* kv, const int32_t* block_table, const int64_t* seq_lens, T* out,
@@ -41,13 +44,25 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
   const int64_t per_kv = num_heads / num_kv_heads;
   const int64_t head_stride = num_blocks * block_size * D;
   const int64_t v_offset = num_kv_heads * head_stride;  // kv[1] - kv[0]
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Few (sequence, KV head) tasks would leave threads idle (3 KV heads on 2 threads at batch 1): then
+  // long contexts are split into parts, each with its own running softmax, merged at the end.
+  const int64_t tasks = num_seqs * num_kv_heads, threads = at::get_num_threads();
+  const int64_t longest = *std::max_element(seq_lens, seq_lens + num_seqs);
+  int64_t parts = 1;
+  if (tasks < 2 * threads)
+    parts = std::max<int64_t>(1, std::min((2 * threads + tasks - 1) / tasks, longest / MIN_PART_TOKENS));
+  const int64_t part_blocks = ((longest + parts - 1) / parts + block_size - 1) / block_size;
+  // per (task, part): the running max and total of each query head, and its unnormalized sum of V rows
+  std::vector<float> part_max(tasks * parts * per_kv), part_total(tasks * parts * per_kv);
+  std::vector<float> part_acc(tasks * parts * per_kv * D);
+
+  at::parallel_for(0, tasks * parts, 1, [&](int64_t begin, int64_t end) {
     // a sequence's blocks sit anywhere in the cache, each too short for the hardware prefetcher to pick up:
-    // ask for them a few blocks ahead (the first ones while the previous task runs). Inlined by force: GCC
+    // ask for them a few blocks ahead (the first ones while the previous item runs). Inlined by force: GCC
     // counts a prefetch as no effect, and would drop a call to a function that does nothing else.
-    auto prefetch_block = [&](int64_t task, int64_t index) __attribute__((always_inline)) {
-      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-      if (index * block_size >= seq_lens[seq]) return;
+    auto prefetch_block = [&](int64_t item, int64_t index) __attribute__((always_inline)) {
+      const int64_t task = item / parts, seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+      if (index >= (item % parts + 1) * part_blocks || index * block_size >= seq_lens[seq]) return;
       const int64_t offset = kv_head * head_stride + block_table[seq * max_blocks + index] * block_size * D;
       const char* k = reinterpret_cast<const char*>(kv + offset);
       const char* v = reinterpret_cast<const char*>(kv + offset + v_offset);
@@ -56,28 +71,31 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
         __builtin_prefetch(v + byte);
       }
     };
-    std::vector<float> query(per_kv * D), acc(per_kv * D), scores(per_kv * block_size), row(D);
-    std::vector<float> max_score(per_kv), total(per_kv);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t context = seq_lens[seq];
+    std::vector<float> query(per_kv * D), scores(per_kv * block_size), row(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t task = item / parts, seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t first_block = item % parts * part_blocks;
+      const int64_t context = std::min(seq_lens[seq], (first_block + part_blocks) * block_size);
       const T* q_seq = q + (seq * num_heads + kv_head * per_kv) * D;
       for (int64_t i = 0; i < per_kv * D; ++i) query[i] = to_float(q_seq[i]) * scale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(max_score.begin(), max_score.end(), -INFINITY);
-      std::fill(total.begin(), total.end(), 0.f);
+      float* acc = part_acc.data() + item * per_kv * D;
+      float* max_score = part_max.data() + item * per_kv;
+      float* total = part_total.data() + item * per_kv;
+      std::fill(acc, acc + per_kv * D, 0.f);
+      std::fill(max_score, max_score + per_kv, -INFINITY);
+      std::fill(total, total + per_kv, 0.f);
       const T* k_head = kv + kv_head * head_stride;
       const T* v_head = k_head + v_offset;
       for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i) {
-        if (task == begin) prefetch_block(task, i);
-        if (task + 1 < end) prefetch_block(task + 1, i);
+        if (item == begin) prefetch_block(item, first_block + i);
+        if (item + 1 < end) prefetch_block(item + 1, (item + 1) % parts * part_blocks + i);
       }
-      // one pass, a block of tokens at a time, with a running softmax (max and total rescaled per block)
-      for (int64_t start = 0; start < context; start += block_size) {
+      // a block of tokens at a time, with a running softmax (max and total rescaled per block)
+      for (int64_t start = first_block * block_size; start < context; start += block_size) {
         const int64_t block = block_table[seq * max_blocks + start / block_size];
         const int64_t n = std::min(block_size, context - start);
         const T* k = k_head + block * block_size * D;
-        prefetch_block(task, start / block_size + PREFETCH_BLOCKS);
+        prefetch_block(item, start / block_size + PREFETCH_BLOCKS);
         for (int64_t t = 0; t < n; ++t, k += D) {
           for (int64_t d = 0; d < D; ++d) row[d] = to_float(k[d]);
           for (int64_t h = 0; h < per_kv; ++h) {
@@ -94,7 +112,7 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
           if (block_max > max_score[h]) {
             const float shrink = std::exp(max_score[h] - block_max);
             total[h] *= shrink;
-            float* a = acc.data() + h * D;
+            float* a = acc + h * D;
             for (int64_t d = 0; d < D; ++d) a[d] *= shrink;
             max_score[h] = block_max;
           }
@@ -105,16 +123,34 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
           for (int64_t d = 0; d < D; ++d) row[d] = to_float(v[d]);
           for (int64_t h = 0; h < per_kv; ++h) {
             const float p = scores[h * block_size + t];
-            float* a = acc.data() + h * D;
+            float* a = acc + h * D;
             for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
           }
         }
       }
-      T* o = out + (seq * num_heads + kv_head * per_kv) * D;
-      for (int64_t h = 0; h < per_kv; ++h) {
-        const float inv = 1.f / total[h];
-        for (int64_t d = 0; d < D; ++d) o[h * D + d] = static_cast<T>(acc[h * D + d] * inv);
+    }
+  });
+
+  // each query head: its parts rescaled to the overall max, summed, normalized
+  at::parallel_for(0, tasks * per_kv, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(D);
+    for (int64_t head = begin; head < end; ++head) {
+      const int64_t task = head / per_kv, h = head % per_kv;
+      float overall = -INFINITY, total = 0.f;
+      for (int64_t part = 0; part < parts; ++part)
+        overall = std::max(overall, part_max[(task * parts + part) * per_kv + h]);
+      std::fill(sum.begin(), sum.end(), 0.f);
+      for (int64_t part = 0; part < parts; ++part) {
+        const int64_t item = task * parts + part;
+        if (part_total[item * per_kv + h] == 0.f) continue;  // a part beyond this sequence's context
+        const float weight = std::exp(part_max[item * per_kv + h] - overall);
+        total += part_total[item * per_kv + h] * weight;
+        const float* a = part_acc.data() + (item * per_kv + h) * D;
+        for (int64_t d = 0; d < D; ++d) sum[d] += a[d] * weight;
       }
+      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+      T* o = out + (seq * num_heads + kv_head * per_kv + h) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(sum[d] / total);
     }
   });
 }
