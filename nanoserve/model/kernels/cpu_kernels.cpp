@@ -71,7 +71,7 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
         __builtin_prefetch(v + byte);
       }
     };
-    std::vector<float> query(per_kv * D), scores(per_kv * block_size), row(D);
+    std::vector<float> query(per_kv * D), scores(per_kv * block_size), row(D), rows(block_size * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t task = item / parts, seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t first_block = item % parts * part_blocks;
@@ -119,12 +119,19 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
           for (int64_t t = 0; t < n; ++t) total[h] += (s[t] = std::exp(s[t] - block_max));
         }
         const T* v = v_head + block * block_size * D;
-        for (int64_t t = 0; t < n; ++t, v += D) {
-          for (int64_t d = 0; d < D; ++d) row[d] = to_float(v[d]);
-          for (int64_t h = 0; h < per_kv; ++h) {
-            const float p = scores[h * block_size + t];
-            float* a = acc + h * D;
-            for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+        for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(v[i]);
+        for (int64_t h = 0; h < per_kv; ++h) {
+          const float* p = scores.data() + h * block_size;
+          float* a = acc + h * D;
+          if constexpr (FIXED_D > 0) {  // the head's sums in registers across the block
+            float sum[FIXED_D > 0 ? FIXED_D : 1];
+            for (int64_t d = 0; d < D; ++d) sum[d] = a[d];
+            for (int64_t t = 0; t < n; ++t)
+              for (int64_t d = 0; d < D; ++d) sum[d] += p[t] * rows[t * D + d];
+            for (int64_t d = 0; d < D; ++d) a[d] = sum[d];
+          } else {
+            for (int64_t t = 0; t < n; ++t)
+              for (int64_t d = 0; d < D; ++d) a[d] += p[t] * rows[t * D + d];
           }
         }
       }
