@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from streams import count_tokens
+from streams import count_tokens, spread_endless_requests
 
 from nanoserve.config import EngineOptions
 from nanoserve.engine.core_client.base import EngineCoreClient
@@ -425,15 +425,7 @@ def test_async_llm_dead_rank_raises_for_its_requests_and_health_says_degraded(ti
             health = await http.get("/health")
             assert health.status_code == 200 and health.content == b""
             await sleep_one_rank(client, 1)  # rank 1 holds its requests until it is killed
-            tasks = {
-                f"long-{i}": asyncio.create_task(count_tokens(engine, f"long-{i}", 10**6)) for i in range(4)
-            }
-            deadline = time.monotonic() + 20
-            while sum(client.balancer.owner(rid) is not None for rid in tasks) < 4:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
-            on_rank_1 = {rid for rid in tasks if client.balancer.owner(rid) == 1}
-            assert on_rank_1 and len(on_rank_1) < 4
+            tasks, on_rank_1 = await spread_endless_requests(engine)
             pids = client.engine_pids()
             os.kill(pids[1], signal.SIGKILL)
             for rid in on_rank_1:
@@ -453,6 +445,7 @@ def test_async_llm_dead_rank_raises_for_its_requests_and_health_says_degraded(ti
 
             await sleep_one_rank(client, 0)
             held = asyncio.create_task(count_tokens(engine, "held", 8))
+            deadline = time.monotonic() + 20
             while client.balancer.owner("held") is None:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)

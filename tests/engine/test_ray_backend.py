@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from streams import count_tokens
+from streams import count_tokens, spread_endless_requests
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
@@ -105,15 +105,7 @@ def test_killed_actor_fails_its_requests_and_the_other_rank_serves_on(ray_cluste
             client._utility_targets = lambda method: [1]
             await client.sleep_async(1)
             client._utility_targets = targets
-            tasks = {
-                f"long-{i}": asyncio.create_task(count_tokens(engine, f"long-{i}", 10**6)) for i in range(4)
-            }
-            deadline = time.monotonic() + 20
-            while sum(client.balancer.owner(rid) is not None for rid in tasks) < 4:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
-            on_rank_1 = {rid for rid in tasks if client.balancer.owner(rid) == 1}
-            assert on_rank_1 and len(on_rank_1) < 4
+            tasks, on_rank_1 = await spread_endless_requests(engine)
 
             ray.kill(client.resources.engine_manager.actors[1])
             started = time.monotonic()
