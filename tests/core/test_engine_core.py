@@ -40,7 +40,7 @@ def request(rid: str, prompt: list[int], **params) -> EngineCoreRequest:
     params.setdefault("temperature", 0.0)
     params.setdefault("max_tokens", MAX_TOKENS)
     params.setdefault("ignore_eos", True)
-    return EngineCoreRequest(rid, prompt, SamplingParams(**params), eos_token_id=2)
+    return EngineCoreRequest(rid, prompt, SamplingParams(**params), eos_token_ids=[2])
 
 
 def run_to_completion(engine: EngineCore, max_steps: int = 2000) -> dict[str, list]:

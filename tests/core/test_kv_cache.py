@@ -11,7 +11,7 @@ BS = 4
 
 def make_request(request_id: str, prompt: list[int]) -> Request:
     return Request(
-        request_id, prompt, SamplingParams(max_tokens=8), eos_token_id=None, arrival_time=0.0, max_tokens=8
+        request_id, prompt, SamplingParams(max_tokens=8), eos_token_ids=(), arrival_time=0.0, max_tokens=8
     )
 
 

@@ -13,7 +13,7 @@ VOCAB = 50
 
 def make_request(rid: str = "r", prompt=(1, 2, 3), output=(), **params) -> Request:
     request = Request(
-        rid, list(prompt), SamplingParams(**params), eos_token_id=2, arrival_time=0.0, max_tokens=100
+        rid, list(prompt), SamplingParams(**params), eos_token_ids=(2,), arrival_time=0.0, max_tokens=100
     )
     for t in output:
         request.append_output_token(t)
