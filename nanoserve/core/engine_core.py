@@ -77,7 +77,9 @@ class EngineCore:
         self.num_kv_blocks = self._num_kv_blocks()
         self.max_model_len = self._fit_max_model_len(self.num_kv_blocks)
         self.runner.allocate_kv_cache(self.num_kv_blocks)
-        self.scheduler = Scheduler(options, self.num_kv_blocks, self.max_model_len)
+        self.scheduler = Scheduler(
+            options, self.num_kv_blocks, self.max_model_len, self.runner.sliding_window
+        )
 
         self._pending_outputs: list[EngineCoreOutput] = []
         self._held_requests: list[Request] = []

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.core.request import Request
+from nanoserve.model.batch import SequenceState
 
 
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list]:
+    def sample(self, logits: torch.Tensor, requests: list[SequenceState]) -> tuple[list[int], list]:
         """logits: float32 [num_requests, vocab], one row per request in `requests`."""
         params = [r.sampling_params for r in requests]
         raw_logits = logits
@@ -33,7 +33,7 @@ class Sampler:
         token_list = token_ids.tolist()
         return token_list, _logprobs(raw_logits, token_ids, requests)
 
-    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, requests: list[SequenceState]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         greedy = torch.tensor([p.is_greedy for p in params])
         temperature = torch.tensor(
@@ -57,7 +57,7 @@ def _has_penalty(p) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
-def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, requests: list[SequenceState]) -> torch.Tensor:
     num_rows, vocab = logits.shape
     output_counts = torch.zeros(num_rows, vocab, dtype=logits.dtype)
     seen = torch.zeros(num_rows, vocab, dtype=torch.bool)
@@ -81,15 +81,15 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     return logits - freq * output_counts - pres * (output_counts > 0).to(logits.dtype)
 
 
-def _suppress_stops(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _suppress_stops(logits: torch.Tensor, requests: list[SequenceState]) -> torch.Tensor:
     """Before min_tokens are out, EOS and stop tokens cannot be sampled."""
     for i, r in enumerate(requests):
         p = r.sampling_params
         if r.num_output_tokens >= p.min_tokens:
             continue
         stops = list(p.stop_token_ids or [])
-        if r.eos_token_id is not None and not p.ignore_eos:
-            stops.append(r.eos_token_id)
+        if not p.ignore_eos:
+            stops.extend(r.eos_token_ids)
         if stops:
             logits[i, stops] = float("-inf")
     return logits
@@ -115,21 +115,21 @@ def _top_k_top_p_min_p(logits: torch.Tensor, params: list) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, requests: list[Request]) -> list:
+def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, requests: list[SequenceState]) -> list:
     """Per request: [(sampled, logprob), (top1, logprob), ...] of the model's raw distribution, or None."""
     wanted = [r.sampling_params.logprobs for r in requests]
     if all(n is None for n in wanted):
         return [None] * len(requests)
     rows = [i for i, n in enumerate(wanted) if n is not None]
     logprobs = torch.log_softmax(raw_logits[rows], dim=-1)
-    max_n = max(wanted[i] for i in rows)
+    max_n = max(wanted[i] or 0 for i in rows)
     top_values, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (None, None)
     sampled = token_ids[rows]
     sampled_lp = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
     result: list = [None] * len(requests)
     for j, i in enumerate(rows):
         entry = [(int(sampled[j]), sampled_lp[j])]
-        if wanted[i]:
+        if wanted[i] and top_ids is not None and top_values is not None:
             entry += list(
                 zip(top_ids[j, : wanted[i]].tolist(), top_values[j, : wanted[i]].tolist(), strict=True)
             )

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import pytest
 
 from nanoserve.config import EngineOptions
-from nanoserve.core.batch import RunnerOutput, SchedulerOutput
 from nanoserve.core.request import Request, RequestStatus
 from nanoserve.core.scheduler import Scheduler
+from nanoserve.model.batch import RunnerOutput, SchedulerOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.wire.messages import EngineCoreOutput, FinishReason
 
@@ -30,7 +30,7 @@ def make_request(
 ) -> Request:
     sp = SamplingParams(max_tokens=max_tokens, **params)
     prompt = list(range(first_token, first_token + prompt_len))
-    return Request(request_id, prompt, sp, eos_token_id=EOS, arrival_time=0.0, max_tokens=max_tokens)
+    return Request(request_id, prompt, sp, eos_token_ids=(EOS,), arrival_time=0.0, max_tokens=max_tokens)
 
 
 def fake_run(sched: SchedulerOutput, token_for: Callable[[Request], int] = lambda r: 7) -> RunnerOutput:

@@ -11,7 +11,7 @@ import torch
 from paged_driver import PagedDriver
 
 from nanoserve.model.kernels import cpu_kernels
-from nanoserve.model.llama import Linear
+from nanoserve.model.layers.linear import Linear
 from nanoserve.model.loader import load_model, load_model_config
 from nanoserve.model.quant import (
     GROUP_SIZE,
@@ -173,7 +173,7 @@ def _perplexity(model, token_ids: list[int]) -> float:
 
 @pytest.fixture(scope="module")
 def bf16_perplexity(bundled_gguf_path):
-    from nanoserve.model.loader import load_tokenizer
+    from nanoserve.model_files import load_tokenizer
 
     token_ids = load_tokenizer(bundled_gguf_path).encode(QUALITY_TEXT)
     return token_ids, _perplexity(_bf16_model(bundled_gguf_path, "none", None), token_ids)
@@ -217,7 +217,7 @@ def _greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]
 def test_greedy_agreement_with_bf16(bundled_gguf_path, kernels, method):
     if quantization_error(method, CPU, kernels):
         pytest.skip(quantization_error(method, CPU, kernels))
-    from nanoserve.model.loader import load_tokenizer
+    from nanoserve.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(bundled_gguf_path)
     prompts = [tokenizer.encode(p) for p in AGREEMENT_PROMPTS]
