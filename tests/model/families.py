@@ -79,24 +79,25 @@ SHAPES: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=True,
         ),
     ),
-    # Gemma 2: head_dim 32, a query scale of its own, both soft-caps low enough to bite, window on layer 0
+    # Gemma 2: head_dim 32, both soft-caps low enough to bite, window on layer 0
     "gemma2-gqa": (
         "Gemma2",
         dict(
             head_dim=32,
-            query_pre_attn_scalar=24,
+            query_pre_attn_scalar=32,
             sliding_window=8,
             attn_logit_softcapping=2.0,
             final_logit_softcapping=5.0,
             hidden_activation="gelu_pytorch_tanh",
         ),
     ),
+    # ... and a query scale of its own
     "gemma2-mha-untied": (
         "Gemma2",
         dict(
             num_key_value_heads=4,
             head_dim=16,
-            query_pre_attn_scalar=16,
+            query_pre_attn_scalar=24,
             sliding_window=8,
             attn_logit_softcapping=3.0,
             final_logit_softcapping=10.0,
