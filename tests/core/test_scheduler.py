@@ -210,6 +210,20 @@ def test_eos_stops():
     assert last.finish_reason is FinishReason.STOP and last.stop_reason is None
 
 
+def test_any_of_several_eos_ids_stops():
+    """Llama 3 ends turns with <|eot_id|> and text with <|end_of_text|>: either one stops."""
+    s = make_scheduler()
+    for rid in ("a", "b"):
+        r = make_request(rid, max_tokens=10, first_token=100 if rid == "a" else 200)
+        r.eos_token_ids = (EOS, 9)
+        s.add_request(r)
+    ends = {"a": EOS, "b": 9}
+    outputs = run_to_completion(s, token_for=lambda r: ends[r.request_id] if r.num_output_tokens == 1 else 7)
+    for rid, end in ends.items():
+        assert [o.new_token_ids[0] for o in outputs[rid]] == [7, end]
+        assert outputs[rid][-1].finish_reason is FinishReason.STOP and outputs[rid][-1].stop_reason is None
+
+
 def test_ignore_eos():
     s = make_scheduler()
     s.add_request(make_request("a", max_tokens=5, ignore_eos=True))

@@ -104,6 +104,14 @@ def test_min_tokens_suppresses_eos_and_stop_tokens():
     assert Sampler(0).sample(logits, [request])[0] == [2]
 
 
+def test_min_tokens_suppresses_every_eos_id():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 2], logits[0, 30], logits[0, 12] = 10.0, 9.0, 8.0
+    request = make_request(temperature=0, min_tokens=1)
+    request.eos_token_ids = (2, 30)
+    assert Sampler(0).sample(logits, [request])[0] == [12]
+
+
 def test_logprobs_report_sampled_and_top_tokens():
     logits = random_logits(2, seed=3)
     tokens, logprobs = Sampler(0).sample(
