@@ -101,3 +101,25 @@ def test_engine_greedy_matches_transformers(family_dir):
     tokens, cached, _ = _run(engine, followers, "f")
     assert tokens == expected[len(prompts) :]
     assert cached == [16] * len(followers), "4 shared blocks from the prefix cache"
+
+
+@pytest.mark.parametrize("shape", ["gemma2-gqa", "qwen2-moe"])
+def test_multiprocess_data_parallel_engines_serve_a_family(shape, tmp_path, tokenizer_dir):
+    """LLM with two engine-core processes behind the data-parallel balancer: transformers' greedy ids.
+    (The bundled tokenizer is larger than these models' vocabularies; prompts are token ids below it.)"""
+    import shutil
+
+    from nanoserve.entrypoints.llm import LLM
+    from nanoserve.sampling_params import SamplingParams
+
+    folder = build_family(shape, tmp_path / shape)
+    for f in tokenizer_dir.iterdir():
+        if f.name not in ("config.json", "generation_config.json"):
+            shutil.copy(f, folder / f.name)
+    prompts = _prompts((5, 19, 11, 27), seed=4)
+    expected = hf_greedy(folder, prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=len(expected[0]), ignore_eos=True)
+    with LLM(str(folder), dtype="float32", data_parallel_size=2, num_kv_blocks=64, max_model_len=128) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.llm_engine.engine_core.balancer.num_routed.keys() == {0, 1}
+    assert [o.outputs[0].token_ids for o in outputs] == expected
