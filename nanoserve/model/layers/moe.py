@@ -3,7 +3,8 @@
 The router's softmax picks k experts per token; their weights are renormalized to sum to one where the
 family does so (Mixtral; Qwen with norm_topk_prob). Tokens are then grouped per expert with one sort and
 one bincount, so each expert runs one matmul over all its tokens of the step: the Python loop is over
-experts that got tokens, never over tokens. Qwen2-MoE adds a shared expert that every token passes
+experts that got tokens, never over tokens. A lone token (decode at batch 1) skips the grouping, whose
+dozen small ops cost as much as its two experts' matmuls. Qwen2-MoE adds a shared expert that every token passes
 through, scaled by a sigmoid gate.
 """
 
@@ -37,13 +38,29 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, num_experts]
-        weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, experts = self.route(x)  # [T, k] each
+        if x.shape[0] == 1:  # decode at batch 1: its k experts, nothing to group
+            outputs = torch.stack([self.experts[e](x)[0] for e in experts[0].tolist()])  # [k, hidden]
+            out = (weights.T.to(x.dtype) * outputs).sum(dim=0, keepdim=True)
+        else:
+            out = self.grouped(x, weights, experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """float32 weights and expert ids [T, k] of each token's top k."""
+        logits = self.gate(x).float()  # [T, num_experts]
+        if self.normalize:  # the top-k probabilities renormalized are the softmax of the top-k logits
+            top, experts = logits.topk(self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), experts
+        return torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+
+    def grouped(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         # (token, choice) slots sorted by expert: each expert's tokens are one contiguous run
-        order = experts.flatten().argsort(stable=True)
-        counts = torch.bincount(experts.flatten(), minlength=len(self.experts)).tolist()
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
         tokens = order // self.top_k
         inputs = x.index_select(0, tokens)  # [T * k, hidden]
         outputs = torch.cat(
@@ -54,7 +71,4 @@ class SparseMoE(nn.Module):
             ]
         )
         outputs = outputs * weights.flatten()[order].unsqueeze(1).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, tokens, outputs)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return torch.zeros_like(x).index_add_(0, tokens, outputs)
