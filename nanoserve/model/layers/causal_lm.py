@@ -53,7 +53,7 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden]; writes the new K/V into kv_caches."""
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:
-            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
         cos_sin = self.rotary(positions, x.dtype)
         local_cos_sin = cos_sin if self.local_rotary is None else self.local_rotary(positions, x.dtype)
         for layer, kv_cache, is_local in zip(self.layers, kv_caches, self.is_local, strict=True):
