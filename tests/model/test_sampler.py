@@ -114,3 +114,69 @@ def test_logprobs_report_sampled_and_top_tokens():
     assert sampled == tokens[0] and abs(sampled_lp - expected[sampled].item()) < 1e-5
     assert [t for t, _ in top] == expected.topk(3).indices.tolist()
     assert logprobs[1] is None
+
+
+def reference_draw(probs: torch.Tensor, top_k: int, top_p: float, min_p: float, u: float) -> int:
+    """top-k, top-p over the renormalized top-k mass, then min-p, over a full sort: what the sampler's
+    candidate search must reproduce."""
+    values, order = probs.sort(descending=True)
+    if 0 < top_k < len(values):
+        values = values.clone()
+        values[top_k:] = 0.0
+    before = values.cumsum(0) - values
+    keep = (before < top_p * values.sum()) & (values >= min_p * values[0]) & (values > 0)
+    keep[0] = True
+    kept = torch.where(keep, values, torch.zeros_like(values))
+    cdf = kept.cumsum(0)
+    return int(order[torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=len(cdf) - 1)])
+
+
+def test_truncated_draws_match_a_full_sort():
+    """Rows whose kept set lies past the first candidates (flat logits, top-p 0.9) must look again."""
+    from nanoserve.model.sampler import CANDIDATES
+
+    vocab = CANDIDATES * 20
+    gen = torch.Generator().manual_seed(7)
+    cases = [
+        dict(top_p=0.9),  # flat rows: needs thousands of candidates
+        dict(top_k=40),
+        dict(top_k=3 * CANDIDATES, top_p=0.8),
+        dict(min_p=0.05),
+        dict(min_p=0.0001),  # almost nothing cut: needs the whole vocabulary
+        dict(top_k=100, top_p=0.5, min_p=0.1),
+    ]
+    for scale in (0.05, 1.0, 4.0):
+        logits = torch.randn(len(cases), vocab, generator=gen) * scale
+        requests = [make_request(str(i), temperature=1.0, seed=100 + i, **c) for i, c in enumerate(cases)]
+        for _ in range(5):
+            expected_u = [torch.rand(1, generator=r.generator.clone_state())[0].item() for r in requests]
+            tokens, _ = Sampler(0).sample(logits, requests)
+            probs = torch.softmax(logits, dim=-1)
+            for i, c in enumerate(cases):
+                expected = reference_draw(
+                    probs[i], c.get("top_k", 0), c.get("top_p", 1.0), c.get("min_p", 0.0), expected_u[i]
+                )
+                assert tokens[i] == expected, (scale, c)
+
+
+def test_top_k_draws_follow_the_renormalized_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0] + [-1.0] * (VOCAB - 4)])
+    sampler = Sampler(0)
+    counts = torch.zeros(VOCAB)
+    for _ in range(3000):
+        counts[sampler.sample(logits, [make_request(temperature=1.0, top_k=3)])[0][0]] += 1
+    expected = torch.softmax(logits[0, :3], -1) * 3000
+    assert counts[3:].sum() == 0
+    assert torch.allclose(counts[:3], expected, atol=100)
+
+
+def test_a_seeded_stream_resumes_from_its_seed_after_k_draws():
+    """One uniform per sampled token: a request restarted with its generator advanced by k draws
+    continues the stream exactly (what an engine restart relies on)."""
+    logits = random_logits(1, seed=4) * 0.2
+    request = make_request(temperature=0.9, top_p=0.95, seed=77)
+    stream = [Sampler(0).sample(logits, [request])[0][0] for _ in range(10)]
+    resumed = make_request(temperature=0.9, top_p=0.95, seed=77)
+    torch.rand(6, generator=resumed.generator)
+    assert [Sampler(1).sample(logits, [resumed])[0][0] for _ in range(4)] == stream[6:]
+    assert len(set(stream)) > 1
