@@ -22,7 +22,7 @@ WEB_DIR = Path(nanoserve.__file__).parent / "web"
 STATS_PATH = "/dashboard/stats"
 
 # everything the page loads comes from this server; no inline script or style
-CONTENT_SECURITY_POLICY = "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'"
+CONTENT_SECURITY_POLICY = "default-src 'self'; object-src 'none'; base-uri 'none'"
 
 
 def mount_web(app: FastAPI, engine: AsyncLLM, served_model_name: str) -> None:
