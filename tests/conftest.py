@@ -139,3 +139,10 @@ def llama3_style_dir(tiny_gqa_dir, tmp_path) -> Path:
     }
     (folder / "generation_config.json").write_text(json.dumps(generation))
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_long_context_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """A tiny Llama with 16k positions: a generation long enough to stop half-way, even on a fast machine."""
+    out = tmp_path_factory.mktemp("tiny-long")
+    return build_tiny_llama(out, tokenizer_dir, max_position_embeddings=16384)
