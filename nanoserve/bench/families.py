@@ -6,7 +6,8 @@ bundled model's tokenizer) in a temporary folder: nothing is downloaded. The MoE
 Mixtral-style model (8 experts, top-2, each expert half the dense MLP's width) with a Llama whose MLP is
 as wide as the two chosen experts together, so every token does the same matmul work in both; the MoE
 then pays only for routing and for grouping tokens per expert. The same pair of blocks is also timed
-alone (one SparseMoE against one GatedMLP forward) to show where a difference comes from.
+alone (one SparseMoE against one GatedMLP forward, and the SparseMoE's experts on tokens already grouped:
+the rest is routing and grouping) to show where a difference comes from.
 """
 
 from __future__ import annotations
@@ -77,20 +78,37 @@ def time_load(path: str, repeats: int) -> tuple[int, float]:
     return num_params, statistics.median(seconds)
 
 
-def time_block(block: torch.nn.Module, tokens: int, repeats: int = 50) -> float:
-    """Microseconds per forward of one MLP block of a loaded model (pre-packed, C++ kernels where built)."""
+def time_forward(forward, repeats: int = 100) -> float:
+    """Microseconds per call, the best of 5 runs of `repeats`."""
+    with torch.inference_mode():
+        for _ in range(10):
+            forward()
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                forward()
+            best = min(best, (time.perf_counter() - start) / repeats * 1e6)
+    return best
+
+
+def time_blocks(moe, mlp, tokens: int) -> tuple[float, float, float]:
+    """Microseconds per forward of the SparseMoE block, of its experts' matmuls alone on tokens already
+    grouped (the difference is routing and grouping), and of the dense GatedMLP."""
     x = torch.randn(tokens, SHAPE["hidden_size"], dtype=torch.bfloat16)
     with torch.inference_mode():
-        for _ in range(5):
-            block(x)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            block(x)
-    return (time.perf_counter() - start) / repeats * 1e6
+        _, experts = moe.route(x)
+        counts = torch.bincount(experts.flatten(), minlength=NUM_EXPERTS).tolist()
+        grouped = x.index_select(0, experts.flatten().argsort(stable=True) // TOP_K).split(counts)
+    work = [
+        (expert, rows.contiguous()) for expert, rows in zip(moe.experts, grouped, strict=True) if len(rows)
+    ]
+    experts_alone = time_forward(lambda: [expert(rows) for expert, rows in work])
+    return time_forward(lambda: moe(x)), experts_alone, time_forward(lambda: mlp(x))
 
 
 def first_mlp(llm) -> torch.nn.Module:
-    """Layer 0's MLP (SparseMoE or GatedMLP) of an in-process LLM's model."""
+    """Layer 0's MLP (SparseMoE or GatedMLP) of an in-process LLM's model: pre-packed, C++ kernels on."""
     return llm.llm_engine.engine_core.engine_core.runner.model.layers[0].mlp
 
 
@@ -103,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: every core)")
     parser.add_argument("--skip-throughput", action="store_true", help="load times only")
     args = parser.parse_args(argv)
     families = args.families.split(",")
@@ -113,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     from nanoserve.bench.throughput import make_prompts, summarize, time_nanoserve
     from nanoserve.entrypoints.llm import LLM
 
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     with tempfile.TemporaryDirectory(prefix="nanoserve-bench-families-") as tmp:
         folders = {f: str(build(f, Path(tmp) / f)) for f in dict.fromkeys([*families, "llama", "mixtral"])}
         print(f"{torch.get_num_threads()} threads; models of {SHAPE['num_hidden_layers']} layers, hidden "
@@ -127,8 +148,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nmixtral ({NUM_EXPERTS} experts, top-{TOP_K}) against llama with the same active parameters; "
               f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy, in-process engine")  # fmt: skip
         print(f"{'batch':>5}  {'llama tok/s':>18}  {'mixtral tok/s':>18}  {'moe/dense':>9}  "
-              f"{'MoE block us':>12}  {'MLP block us':>12}")  # fmt: skip
-        llms = {f: LLM(folders[f], dtype="bfloat16", multiprocess_mode=False) for f in ("llama", "mixtral")}
+              f"{'MoE block us':>12}  {'its experts us':>14}  {'dispatch':>8}  {'MLP block us':>12}")  # fmt: skip
+        llms = {
+            f: LLM(folders[f], dtype="bfloat16", multiprocess_mode=False, num_threads=args.num_threads)
+            for f in ("llama", "mixtral")
+        }
         tokenizer = llms["llama"].get_tokenizer()
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
             prompts = make_prompts(tokenizer, batch, args.prompt_len)
@@ -139,8 +163,11 @@ def main(argv: list[str] | None = None) -> None:
                 for family, llm in llms.items():
                     samples[family].append(time_nanoserve(llm, prompts, args.new_tokens))
             ratio = statistics.median(samples["mixtral"]) / statistics.median(samples["llama"])
-            moe_us, mlp_us = (time_block(first_mlp(llms[f]), batch) for f in ("mixtral", "llama"))
+            moe_us, experts_us, mlp_us = time_blocks(
+                first_mlp(llms["mixtral"]), first_mlp(llms["llama"]), batch
+            )
             print(f"{batch:>5}  {summarize(samples['llama']):>18}  {summarize(samples['mixtral']):>18}  "
-                  f"{ratio:>8.2f}x  {moe_us:>12.0f}  {mlp_us:>12.0f}", flush=True)  # fmt: skip
+                  f"{ratio:>8.2f}x  {moe_us:>12.0f}  {experts_us:>14.0f}  {1 - experts_us / moe_us:>8.0%}  "
+                  f"{mlp_us:>12.0f}", flush=True)  # fmt: skip
         for llm in llms.values():
             llm.shutdown()
