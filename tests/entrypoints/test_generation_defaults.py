@@ -3,6 +3,7 @@ SamplingParams and of server requests that leave them out (as vLLM does), and it
 
 from __future__ import annotations
 
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -17,10 +18,9 @@ DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "max_tokens": 5}
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory, tokenizer_dir):
-    from conftest import build_tiny_llama
-
-    folder = build_tiny_llama(tmp_path_factory.mktemp("defaults"), tokenizer_dir)
+def llm(tmp_path_factory, tiny_gqa_dir):
+    folder = tmp_path_factory.mktemp("defaults") / "model"
+    shutil.copytree(tiny_gqa_dir, folder)
     (folder / "generation_config.json").write_text(
         '{"eos_token_id": [7, 9], "temperature": 0.0, "max_new_tokens": 5, "top_k": 3}'
     )
