@@ -41,8 +41,11 @@ class SparseMoE(nn.Module):
         """x: [T, hidden] -> [T, hidden]."""
         weights, experts = self.route(x)  # [T, k] each
         if x.shape[0] == 1:  # decode at batch 1: its k experts, nothing to group
-            outputs = torch.stack([self.experts[e](x)[0] for e in experts[0].tolist()])  # [k, hidden]
-            out = (weights.T.to(x.dtype) * outputs).sum(dim=0, keepdim=True)
+            chosen = zip(experts[0].tolist(), weights[0].tolist(), strict=True)
+            expert, weight = next(chosen)
+            out = self.experts[expert](x) * weight
+            for expert, weight in chosen:
+                out.add_(self.experts[expert](x), alpha=weight)
         else:
             out = self.grouped(x, weights, experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
