@@ -68,6 +68,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.queued_time = 0.0
+        self.scheduled_time = 0.0
+        """time.monotonic() when the scheduler queued the request and when it first scheduled it."""
         self.block_hashes: list[int] = []
         """Chained hashes of this request's full blocks, maintained by the KV cache manager."""
         self.generator: torch.Generator | None = None

@@ -12,6 +12,7 @@ applies the stop conditions and frees finished requests.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -50,6 +51,7 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        request.queued_time = time.monotonic()
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -114,6 +116,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
+                request.scheduled_time = time.monotonic()
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -155,6 +158,7 @@ class Scheduler:
                 self._free(request)
                 any_finished = True
             logprobs = out.logprobs[j] if j < len(out.logprobs) else None
+            is_first = request.num_output_tokens == 1
             outputs.append(
                 EngineCoreOutput(
                     request.request_id,
@@ -163,6 +167,8 @@ class Scheduler:
                     finish_reason=None if status is None else status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    queued_time=request.queued_time if is_first else 0.0,
+                    scheduled_time=request.scheduled_time if is_first else 0.0,
                 )
             )
         if any_finished:

@@ -35,15 +35,15 @@ class Processor:
         vocab_size = min(len(tokenizer), ready.vocab_size)
         return cls(tokenizer, ready.max_model_len, tokenizer.eos_token_id, vocab_size=vocab_size)
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Return (prompt text or None, prompt token ids)."""
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """Return (prompt text or None, prompt token ids); add_special_tokens applies to text (e.g. BOS)."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt).input_ids
+            return prompt, self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return self.tokenize(prompt["prompt"])
+                return self.tokenize(prompt["prompt"], add_special_tokens)
             raise ValueError(
                 f"A prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}."
             )
@@ -53,13 +53,20 @@ class Processor:
             f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}."
         )
 
-    def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True) -> dict[str, Any]:
-        """Apply the tokenizer's chat template; the template writes its own special tokens."""
+    def render_chat(
+        self, conversation: Conversation, add_generation_prompt: bool = True, add_special_tokens: bool = False
+    ) -> dict[str, Any]:
+        """Apply the tokenizer's chat template; the template writes its own special tokens, so the
+        tokenizer adds none unless asked."""
         text = self.tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt
         )
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
         return {"prompt": text, "prompt_token_ids": ids}
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        self._validate_token_ids(token_ids, "Token")
+        return self.tokenizer.decode(token_ids)
 
     def process(
         self, request_id: str, prompt: PromptType, params: SamplingParams
@@ -87,11 +94,12 @@ class Processor:
                 f"{self.max_model_len} tokens minus one generated token; shorten the prompt or raise "
                 "max_model_len."
             )
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        self._validate_token_ids(prompt_token_ids, "Prompt token")
+
+    def _validate_token_ids(self, token_ids: list[int], what: str) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(
-                f"Prompt token id(s) {bad[:5]} are out of the vocabulary [0, {self.vocab_size})."
-            )
+            raise ValueError(f"{what} id(s) {bad[:5]} are out of the vocabulary [0, {self.vocab_size}).")
 
     def _validate_stop_token_ids(self, params: SamplingParams) -> None:
         bad = [t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size]

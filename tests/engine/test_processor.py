@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from nanoserve.engine.processor import Processor
@@ -91,3 +93,29 @@ def test_render_chat(processor, tokenizer):
     assert prompt["prompt"].endswith("<|im_start|>assistant\n")
     assert prompt["prompt_token_ids"] == tokenizer(prompt["prompt"], add_special_tokens=False).input_ids
     assert prompt["prompt_token_ids"].count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3
+
+
+def test_special_tokens_added_only_when_asked(tokenizer):
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = copy.deepcopy(tokenizer)
+    bos = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    # SmolLM2's tokenizer adds nothing; one that prepends a BOS shows what add_special_tokens does
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)]
+    )
+    processor = Processor(tokenizer, MAX_MODEL_LEN, tokenizer.eos_token_id)
+    plain = tokenizer("Hello", add_special_tokens=False).input_ids
+    assert processor.tokenize("Hello") == ("Hello", [bos, *plain])
+    assert processor.tokenize("Hello", add_special_tokens=False) == ("Hello", plain)
+    chat = [{"role": "user", "content": "Hi"}]
+    rendered = processor.render_chat(chat)["prompt_token_ids"]
+    assert processor.render_chat(chat, add_special_tokens=True)["prompt_token_ids"] == [bos, *rendered]
+
+
+def test_detokenize_checks_the_vocabulary(processor, tokenizer):
+    ids = tokenizer("Grüße 🙂").input_ids
+    assert processor.detokenize(ids) == "Grüße 🙂"
+    for bad in ([-1], [processor.vocab_size]):
+        with pytest.raises(ValueError, match="out of the vocabulary"):
+            processor.detokenize(bad)
