@@ -8,8 +8,8 @@ from nanoserve.entrypoints.cli import add_engine_args
 
 DESCRIPTION = """\
 Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
-/health, /version, /metrics). The engine core runs in a child process. With no --model it serves the
-bundled SmolLM2-135M-Instruct.
+/tokenize, /detokenize, /health, /ping, /version, /metrics, /openapi.json). The engine core runs in a
+child process. With no --model it serves the bundled SmolLM2-135M-Instruct.
 
 example:
   nanoserve serve --port 8000
@@ -63,6 +63,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="exit with status 1 when the engine core dies, so a supervisor restarts the server (default: on)",
     )
     group.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None)
+    group.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one log line per request: method, path, status, tokens, latency (default: on)",
+    )
+    group.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="sequences that may wait for the engine beyond its running batch; more get 429 (default: no limit)",
+    )
+    group.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take; then it is aborted and the client gets a 408 error (default: none)",
+    )
+    group.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="CORS: origins whose pages may call the server, or '*' (default: none)",
+    )
+    group.add_argument(
+        "--metrics-prefix",
+        default=None,
+        help="prefix of the /metrics names; 'vllm' gives vLLM's names for its dashboards (default: nanoserve)",
+    )
+    group.add_argument(
+        "--enable-sleep-endpoints",
+        action="store_true",
+        default=None,
+        help="mount POST /sleep, POST /wake_up and GET /is_sleeping (for a trusted operator)",
+    )
     add_engine_args(parser)
     parser.set_defaults(func=run_serve)
 

@@ -12,80 +12,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
-import psutil
 import pytest
-
-API_KEY = "test-key"
-STARTUP_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model_dir: Path, log_path: Path, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--model", str(model_dir)]
-        cmd += ["--dtype", "float32", "--port", str(self.port), "--max-model-len", "512", *extra]
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        self.wait_healthy()
-
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not healthy within {STARTUP_TIMEOUT_S} s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def engine_pid(self) -> int:
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            if "EngineCore" in " ".join(child.cmdline()):
-                return child.pid
-        raise AssertionError("no engine core child found")
-
-    def stop(self) -> None:
-        """Kill the server and every process it started (they share its session)."""
-        try:
-            children = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            children = []
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        for child in children:
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(children, timeout=10)
+from openai_server import API_KEY, Server, auth, metric, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -96,40 +30,8 @@ def server(tiny_gqa_dir, tmp_path_factory):
 
 
 @pytest.fixture
-def own_server(tiny_gqa_dir, tmp_path):
-    """A factory for servers a test may break; all are killed at the end of the test."""
-    servers: list[Server] = []
-
-    def start(*extra: str) -> Server:
-        servers.append(Server(tiny_gqa_dir, tmp_path / f"server{len(servers)}.log", *extra))
-        return servers[-1]
-
-    yield start
-    for srv in servers:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def model_name(tiny_gqa_dir) -> str:
-    return Path(tiny_gqa_dir).name
-
-
-@pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-
-def auth() -> dict[str, str]:
-    return {"Authorization": f"Bearer {API_KEY}"}
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
@@ -144,6 +46,7 @@ def test_models_health_version_metrics(server, client, model_name):
     assert [m.id for m in models.data] == [model_name]
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/version").json()["version"]
+    assert httpx.post(f"{server.url}/sleep").status_code == 404  # only with --enable-sleep-endpoints
     text = httpx.get(f"{server.url}/metrics").text
     for name in (
         "nanoserve:num_requests_running",
@@ -501,15 +404,6 @@ def test_server_serves_after_bad_requests(server, client, model_name):
 # -- disconnects ------------------------------------------------------------------------------
 
 
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 @pytest.mark.timeout(60)
 def test_disconnect_aborts_request(server, model_name):
     aborted = metric(server.url, "nanoserve:request_success_total", finished_reason="abort")
@@ -532,10 +426,10 @@ def test_disconnect_aborts_request(server, model_name):
     assert wait_for(lambda: metric(server.url, "nanoserve:num_requests_running") == 0)
     assert wait_for(lambda: metric(server.url, "nanoserve:kv_cache_usage_perc") == 0)
 
-    # a non-streaming request whose client gives up is aborted too
-    body = {**body, "stream": False}
+    # a non-streaming request whose client gives up is aborted too (4 x 480 tokens outlast the timeout)
+    body = {**body, "stream": False, "n": 4}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(), timeout=0.5)
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(), timeout=0.3)
     assert wait_for(
         lambda: metric(server.url, "nanoserve:request_success_total", finished_reason="abort") == aborted + 2
     )

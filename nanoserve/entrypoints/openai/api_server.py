@@ -1,8 +1,13 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over one AsyncLLM, run by uvicorn.
 
 Routes, one module (an APIRouter) per family: completions.py (/v1/completions), chat.py
-(/v1/chat/completions), models.py (/v1/models), health.py (/health, /version), metrics.py (/metrics).
-/v1 routes are behind the API key when one is set. Every error is answered in OpenAI's format.
+(/v1/chat/completions), models.py (/v1/models), tokenize.py (/tokenize, /detokenize), health.py
+(/health, /ping, /version), metrics.py (/metrics), and with --enable-sleep-endpoints sleep.py (/sleep,
+/wake_up, /is_sleeping). /v1 routes are behind the API key when one is set. Every error is answered in
+OpenAI's format, and /openapi.json says so (openapi.py).
+
+Middleware, outermost first: the access log, CORS (with --allowed-origins), the body limit and API key,
+and the last resort that turns an exception no handler took into a 500 without breaking the connection.
 
 Lifecycle: the engine is built before the server listens. SIGTERM (or SIGINT) stops accepting, lets
 in-flight requests finish for the grace period, shuts the engine down and exits 0. When the engine
@@ -19,22 +24,29 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import signal
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 import nanoserve
 from nanoserve.config import EngineOptions
 from nanoserve.engine.async_llm import AsyncLLM
 from nanoserve.engine.exceptions import EngineStartupError
-from nanoserve.entrypoints.openai import chat, completions, health, metrics, models
+from nanoserve.entrypoints.openai import chat, completions, health, metrics, models, sleep, tokenize
 from nanoserve.entrypoints.openai.errors import add_exception_handlers
-from nanoserve.entrypoints.openai.metrics import PrometheusStatLogger
-from nanoserve.entrypoints.openai.middleware import GuardMiddleware
+from nanoserve.entrypoints.openai.metrics import PrometheusStatLogger, check_metrics_prefix
+from nanoserve.entrypoints.openai.middleware import (
+    AccessLogMiddleware,
+    GuardMiddleware,
+    UnhandledErrorMiddleware,
+)
+from nanoserve.entrypoints.openai.openapi import use_truthful_openapi
 from nanoserve.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("nanoserve.server")
@@ -56,32 +68,74 @@ class ServerOptions:
     """Seconds in-flight requests may take to finish after SIGTERM."""
     exit_on_engine_death: bool = True
     log_level: str = "info"
+    access_log: bool = True
+    """One line per request on the `nanoserve.access` logger."""
+    max_queued_requests: int | None = None
+    """Sequences that may wait for a place in the engine's running batch; beyond them, 429. None: no limit."""
+    request_timeout: float | None = None
+    """Seconds a request may take, from arrival to its last token; then it is aborted (408)."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """CORS: origins whose browser pages may call the server ("*" for any); none by default."""
+    metrics_prefix: str = "nanoserve"
+    """Prefix of the Prometheus metric names; "vllm" gives vLLM's exact names."""
+    enable_sleep_endpoints: bool = False
+    """Mount /sleep, /wake_up and /is_sleeping (for a trusted operator: they stop the engine serving)."""
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be non-negative, got {self.max_queued_requests}.")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be positive, got {self.request_timeout}.")
+        check_metrics_prefix(self.metrics_prefix)
 
 
 # -- the app ----------------------------------------------------------------------------------
 
-ROUTERS = (completions.router, chat.router, models.router, health.router, metrics.router)
+ROUTERS = (
+    completions.router,
+    chat.router,
+    models.router,
+    tokenize.router,
+    health.router,
+    metrics.router,
+)
 
 
 def build_app(engine: AsyncLLM, options: ServerOptions, stat_logger: PrometheusStatLogger) -> FastAPI:
     """The app over a built engine; routes find the engine, options and metrics on `app.state`."""
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
         engine.start()
         yield
 
     app = FastAPI(title="nanoserve", version=nanoserve.__version__, lifespan=lifespan)
+    # add_middleware wraps what is there: the last added is the outermost
+    app.add_middleware(UnhandledErrorMiddleware)
     app.add_middleware(
         GuardMiddleware, api_key=options.api_key, max_body_bytes=options.max_request_body_bytes
     )
+    if options.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=options.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
+    if options.access_log:
+        app.add_middleware(AccessLogMiddleware)
     add_exception_handlers(app)
     app.state.engine = engine
     app.state.options = options
     app.state.stat_logger = stat_logger
-    app.state.serving = OpenAIServing(engine, options.served_model_name or engine.model_name)
+    app.state.serving = OpenAIServing(
+        engine,
+        options.served_model_name or engine.model_name,
+        max_queued_requests=options.max_queued_requests,
+        request_timeout=options.request_timeout,
+    )
     for router in ROUTERS:
         app.include_router(router)
+    if options.enable_sleep_endpoints:
+        app.include_router(sleep.router)
+    use_truthful_openapi(app)
     return app
 
 
@@ -117,7 +171,9 @@ async def _serve(engine_options: EngineOptions, options: ServerOptions) -> int:
     engine = AsyncLLM.from_options(engine_options)
     exit_code = 0
     try:
-        stat_logger = PrometheusStatLogger(options.served_model_name or engine.model_name)
+        stat_logger = PrometheusStatLogger(
+            options.served_model_name or engine.model_name, options.metrics_prefix
+        )
         engine.stat_loggers.append(stat_logger)
         app = build_app(engine, options, stat_logger)
         config = uvicorn.Config(
@@ -126,7 +182,7 @@ async def _serve(engine_options: EngineOptions, options: ServerOptions) -> int:
             port=options.port,
             log_level=options.log_level,
             access_log=False,
-            timeout_graceful_shutdown=options.shutdown_grace_period,
+            timeout_graceful_shutdown=math.ceil(options.shutdown_grace_period),
             timeout_keep_alive=5,
         )
         server = uvicorn.Server(config)

@@ -21,15 +21,15 @@ from nanoserve.entrypoints.openai.protocol import (
     TokenLogprob,
     TopLogprob,
     UsageInfo,
-    random_id,
 )
 from nanoserve.entrypoints.openai.serving import (
     OpenAIServing,
     Serving,
     SSEResponse,
+    generation_responses,
     raise_on_error,
     sse,
-    usage,
+    track_usage,
 )
 from nanoserve.entrypoints.openai.streams import collect, run_until_disconnect
 from nanoserve.outputs import CompletionOutput
@@ -37,28 +37,32 @@ from nanoserve.outputs import CompletionOutput
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=generation_responses(ChatCompletionResponse))
 async def create_chat_completion(
     request: ChatCompletionRequest, raw_request: Request, serving: Serving
 ) -> Response:
-    serving.check_model(request.model)
+    deadline = serving.deadline()
+    serving.check_request(request)
     engine = serving.engine
     try:
-        prompt = await engine.render_chat(request.conversation(), request.add_generation_prompt)
+        prompt = await engine.render_chat(
+            request.conversation(), request.add_generation_prompt, request.add_special_tokens
+        )
     except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
         raise OpenAIError(f"Cannot apply the chat template: {e}", param="messages") from e
-    request_id = random_id("chatcmpl")
+    request_id = request.response_id("chatcmpl")
+    serving.admit(request.n)
     stream = await serving.start(request_id, prompt, request)
-    num_prompt_tokens = len(prompt["prompt_token_ids"])
+    usage = track_usage(raw_request, len(prompt["prompt_token_ids"]))
     if request.stream:
         return SSEResponse(
-            chat_stream(serving, request_id, request, num_prompt_tokens, stream), engine, [stream]
+            chat_stream(serving, request_id, request, stream, usage), engine, [stream], deadline
         )
-    (final,) = await run_until_disconnect(raw_request, collect(engine, [stream]))
-    choices, num_completion_tokens = [], 0
+    (final,) = await run_until_disconnect(raw_request, collect(engine, [stream]), deadline)
+    choices = []
     for c in final.outputs:
         raise_on_error(c)
-        num_completion_tokens += len(c.token_ids)
+        usage.add_completion_tokens(len(c.token_ids))
         choices.append(
             ChatChoice(
                 index=c.index,
@@ -68,22 +72,18 @@ async def create_chat_completion(
                 stop_reason=c.stop_reason,
             )
         )
-    return JSONResponse(
-        ChatCompletionResponse(
-            id=request_id,
-            model=serving.served_model_name,
-            choices=choices,
-            usage=usage(num_prompt_tokens, num_completion_tokens),
-        ).model_dump()
+    response = ChatCompletionResponse(
+        id=request_id, model=serving.served_model_name, choices=choices, usage=usage
     )
+    return JSONResponse(response.model_dump())
 
 
 async def chat_stream(
     serving: OpenAIServing,
     request_id: str,
     request: ChatCompletionRequest,
-    num_prompt_tokens: int,
     stream: RequestStream,
+    usage: UsageInfo,
 ) -> AsyncGenerator[str, None]:
     def chunk(choices: list[ChatStreamChoice], usage_info: UsageInfo | None = None) -> str:
         body = ChatCompletionChunk(
@@ -91,7 +91,6 @@ async def chat_stream(
         )
         return sse(body.model_dump_json(exclude_none=usage_info is None))
 
-    num_completion_tokens = 0
     try:
         yield chunk(
             [
@@ -103,7 +102,7 @@ async def chat_stream(
             choices = []
             for c in output.outputs:
                 raise_on_error(c)
-                num_completion_tokens += len(c.token_ids)
+                usage.add_completion_tokens(len(c.token_ids))
                 if not c.text and c.finish_reason is None:
                     continue
                 choices.append(
@@ -118,7 +117,7 @@ async def chat_stream(
             if choices:
                 yield chunk(choices)
         if request.stream_options is not None and request.stream_options.include_usage:
-            yield chunk([], usage(num_prompt_tokens, num_completion_tokens))
+            yield chunk([], usage)
     except Exception as e:
         yield sse(engine_error(e).response().model_dump_json())
     yield sse("[DONE]")
@@ -130,7 +129,7 @@ def chat_logprobs(c: CompletionOutput, num_top: int) -> ChatLogprobs:
         sampled = step.get(token_id)
         ranked = sorted(
             (lp for tid, lp in step.items() if lp.rank is not None and lp.rank <= num_top),
-            key=lambda lp: lp.rank,
+            key=lambda lp: lp.rank or 0,
         )
         content.append(
             TokenLogprob(

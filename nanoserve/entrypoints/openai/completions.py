@@ -15,15 +15,16 @@ from nanoserve.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    random_id,
+    UsageInfo,
 )
 from nanoserve.entrypoints.openai.serving import (
     OpenAIServing,
     Serving,
     SSEResponse,
+    generation_responses,
     raise_on_error,
     sse,
-    usage,
+    track_usage,
 )
 from nanoserve.entrypoints.openai.streams import collect, merge, run_until_disconnect
 from nanoserve.outputs import CompletionOutput
@@ -31,33 +32,34 @@ from nanoserve.outputs import CompletionOutput
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=generation_responses(CompletionResponse))
 async def create_completion(request: CompletionRequest, raw_request: Request, serving: Serving) -> Response:
-    serving.check_model(request.model)
-    if request.suffix:
-        raise OpenAIError("suffix is not supported.", param="suffix")
+    deadline = serving.deadline()
+    serving.check_request(request)
     if request.echo and request.logprobs is not None:
         raise OpenAIError("echo together with logprobs is not supported.", param="echo")
     engine = serving.engine
     try:
-        prompts = [await engine.tokenize(p) for p in request.prompts()]
+        prompts = [await engine.tokenize(p, request.add_special_tokens) for p in request.prompts()]
         if request.echo:
             for p in prompts:
                 if p["prompt"] is None:
-                    p["prompt"] = engine.tokenizer.decode(p["prompt_token_ids"])
+                    p["prompt"] = await engine.detokenize(p["prompt_token_ids"])
     except ValueError as e:
-        raise OpenAIError(str(e), param="prompt") from e
-    request_id = random_id("cmpl")
+        raise OpenAIError(f"prompt: {e}", param="prompt") from e
+    request_id = request.response_id("cmpl")
+    serving.admit(len(prompts) * request.n)
     streams = await serving.start_all(request_id, prompts, request)
+    usage = track_usage(raw_request, sum(len(p["prompt_token_ids"]) for p in prompts))
     if request.stream:
-        return SSEResponse(completion_stream(serving, request_id, request, prompts, streams), engine, streams)
-    finals = await run_until_disconnect(raw_request, collect(engine, streams))
-    choices, num_prompt_tokens, num_completion_tokens = [], 0, 0
+        body = completion_stream(serving, request_id, request, prompts, streams, usage)
+        return SSEResponse(body, engine, streams, deadline)
+    finals = await run_until_disconnect(raw_request, collect(engine, streams), deadline)
+    choices = []
     for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
-        num_prompt_tokens += len(prompt["prompt_token_ids"])
         for c in final.outputs:
             raise_on_error(c)
-            num_completion_tokens += len(c.token_ids)
+            usage.add_completion_tokens(len(c.token_ids))
             text = (prompt["prompt"] if request.echo else "") + c.text
             logprobs = completion_logprobs(c, 0) if request.logprobs is not None else None
             choices.append(
@@ -69,14 +71,10 @@ async def create_completion(request: CompletionRequest, raw_request: Request, se
                     stop_reason=c.stop_reason,
                 )
             )
-    return JSONResponse(
-        CompletionResponse(
-            id=request_id,
-            model=serving.served_model_name,
-            choices=choices,
-            usage=usage(num_prompt_tokens, num_completion_tokens),
-        ).model_dump()
+    response = CompletionResponse(
+        id=request_id, model=serving.served_model_name, choices=choices, usage=usage
     )
+    return JSONResponse(response.model_dump())
 
 
 async def completion_stream(
@@ -85,9 +83,8 @@ async def completion_stream(
     request: CompletionRequest,
     prompts: list[dict[str, Any]],
     streams: list[RequestStream],
+    usage: UsageInfo,
 ) -> AsyncGenerator[str, None]:
-    num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-    num_completion_tokens = 0
     text_offsets: dict[int, int] = {}
     try:
         async for i, output in merge(serving.engine, streams):
@@ -98,7 +95,7 @@ async def completion_stream(
                 text = c.text
                 if request.echo and index not in text_offsets:
                     text = prompts[i]["prompt"] + text
-                num_completion_tokens += len(c.token_ids)
+                usage.add_completion_tokens(len(c.token_ids))
                 logprobs = None
                 if request.logprobs is not None:
                     logprobs = completion_logprobs(c, text_offsets.get(index, 0))
@@ -120,10 +117,7 @@ async def completion_stream(
                 yield sse(chunk.model_dump_json(exclude={"usage"}))
         if request.stream_options is not None and request.stream_options.include_usage:
             chunk = CompletionResponse(
-                id=request_id,
-                model=serving.served_model_name,
-                choices=[],
-                usage=usage(num_prompt_tokens, num_completion_tokens),
+                id=request_id, model=serving.served_model_name, choices=[], usage=usage
             )
             yield sse(chunk.model_dump_json())
     except Exception as e:

@@ -1,23 +1,33 @@
-"""The OpenAI API's request and response bodies, as pydantic models (plus vLLM's extra sampling fields).
+"""The OpenAI API's request and response bodies, as pydantic models (plus vLLM's extra fields).
 
-Requests reject unknown types and out-of-range values at parse time (400 from the server); fields
-OpenAI defines but nanoserve ignores (`user`, `logit_bias` ...) are accepted and ignored, so unmodified
-clients work.
+Every request field is one of three kinds, decided field by field:
+- implemented; wrong types and out-of-range values are refused at parse time (400 naming the field);
+- known but not implemented, listed in the request's `not_implemented` (or `refused_fields()` for
+  conditions of its own): a request that gives it a value with an effect is refused with a 400 naming
+  it; null or the default (which has no effect) is accepted;
+- accepted because it has no effect on what nanoserve returns by definition (`user`, `metadata` ...).
+Fields nanoserve does not know are accepted, so that unmodified clients work, and `unknown_fields()`
+names them for a warning in the log.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from nanoserve.sampling_params import SamplingParams
 
 MAX_N = 64
 """Most samples one request may ask for."""
 MAX_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Integers cross to the engine as msgpack int64 (a seed + sample index stays within uint64)."""
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 def random_id(prefix: str) -> str:
@@ -25,7 +35,7 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -49,16 +59,51 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIModel):
-    """Fields shared by completions and chat completions."""
+class OpenAIRequest(OpenAIModel):
+    """A request body: it can say which of its fields nanoserve refuses and which it does not know."""
 
     model: str | None = None
+
+    not_implemented: ClassVar[dict[str, str]] = {}
+    """Field -> why it is refused when given a value with an effect (anything but null or its default)."""
+
+    def refused_fields(self) -> dict[str, str]:
+        """Field -> why this request cannot be served as asked (subclasses add conditions of their own)."""
+        fields = type(self).model_fields
+        refused = {}
+        for name, reason in self.not_implemented.items():
+            value = getattr(self, name)
+            if value is not None and value != fields[name].default:
+                refused[name] = reason
+        return refused
+
+    def unknown_fields(self) -> list[str]:
+        """Dotted paths of the fields nanoserve does not know, nested models included (`messages[].name`)."""
+        return sorted(set(_unknown_fields(self, "")))
+
+
+def _unknown_fields(model: BaseModel, prefix: str) -> list[str]:
+    names = [prefix + name for name in model.model_extra or {}]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            names += _unknown_fields(value, f"{prefix}{name}.")
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, BaseModel):
+                    names += _unknown_fields(item, f"{prefix}{name}[].")
+    return names
+
+
+class SamplingRequest(OpenAIRequest):
+    """Fields shared by completions and chat completions."""
+
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: Int64 | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -67,12 +112,36 @@ class SamplingRequest(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    """An end-user id for the caller's own abuse tracking: no effect by definition."""
     # vLLM's extra fields (sent through the openai client's extra_body)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     include_stop_str_in_output: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    """vLLM's: the id the response carries (`cmpl-<request_id>`) instead of a random one."""
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+
+    not_implemented: ClassVar[dict[str, str]] = {
+        "use_beam_search": "beam search is not implemented",
+        "length_penalty": "length_penalty only applies to beam search, which is not implemented",
+        "spaces_between_special_tokens": "special tokens are always decoded with the tokenizer's spacing",
+        "truncate_prompt_tokens": "prompts are never truncated; a prompt too long is refused",
+        "priority": "requests are scheduled first come, first served",
+        "cache_salt": "the prefix cache is shared by all requests",
+        "logits_processors": "custom logits processors are not implemented",
+        "return_tokens_as_token_ids": "tokens are returned as text",
+        "return_token_ids": "token ids are not returned",
+    }
 
     @field_validator("stop")
     @classmethod
@@ -82,18 +151,14 @@ class SamplingRequest(OpenAIModel):
             raise ValueError("stop strings must be non-empty")
         return stop
 
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _non_negative_ids(cls, ids: list[int] | None) -> list[int] | None:
-        if ids is not None and any(t < 0 for t in ids):
-            raise ValueError("stop_token_ids must be non-negative")
-        return ids
-
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
     def requested_logprobs(self) -> int | None:
         return None
+
+    def response_id(self, prefix: str) -> str:
+        return f"{prefix}-{self.request_id}" if self.request_id else random_id(prefix)
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """max_tokens: the value to use (None: up to the context length)."""
@@ -120,11 +185,34 @@ class SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    add_special_tokens: bool = True
+    """vLLM's: whether the tokenizer adds its special tokens (e.g. BOS) to a text prompt."""
+
+    not_implemented: ClassVar[dict[str, str]] = {
+        **SamplingRequest.not_implemented,
+        "suffix": "insertion (text after the completion) is not implemented",
+    }
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_at_least_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is not None and best_of < info.data.get("n", 1):
+            raise ValueError("best_of must be at least n")
+        return best_of
+
+    def refused_fields(self) -> dict[str, str]:
+        refused = super().refused_fields()
+        if self.best_of is not None and self.best_of > self.n:
+            refused["best_of"] = (
+                "best_of greater than n (returning the best n of more samples) is not implemented"
+            )
+        return refused
 
     @field_validator("prompt")
     @classmethod
@@ -138,8 +226,8 @@ class CompletionRequest(SamplingRequest):
         if isinstance(self.prompt, str):
             return [self.prompt]
         if all(isinstance(p, int) for p in self.prompt):
-            return [list(self.prompt)]
-        return list(self.prompt)
+            return [cast(list[int], list(self.prompt))]
+        return cast(list[str | list[int]], list(self.prompt))
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
@@ -166,6 +254,55 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    """vLLM's: whether the tokenizer adds special tokens on top of those the chat template writes."""
+    # no effect on what nanoserve returns, by definition
+    metadata: dict[str, str] | None = None
+    """Tags for stored completions; nothing is stored."""
+    store: bool = False
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    """A routing hint for prompt caching; nanoserve's prefix cache finds shared prefixes by itself."""
+    prediction: dict[str, Any] | None = None
+    """Predicted output, a latency hint: the output is the same without it."""
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    # known, not implemented
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    echo: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    not_implemented: ClassVar[dict[str, str]] = {
+        **SamplingRequest.not_implemented,
+        "store": "completions are not stored",
+        "audio": "audio output is not implemented",
+        "functions": "the deprecated functions API is not implemented",
+        "function_call": "the deprecated functions API is not implemented",
+        "reasoning_effort": "the served models have no reasoning control",
+        "verbosity": "the served models have no verbosity control",
+        "web_search_options": "web search is not implemented",
+        "echo": "echoing the last message is not implemented",
+        "chat_template": "only the model's own chat template is used",
+        "chat_template_kwargs": "the chat template takes no extra arguments",
+        "documents": "documents for the chat template are not implemented",
+        "mm_processor_kwargs": "the served models take text only",
+    }
+
+    def refused_fields(self) -> dict[str, str]:
+        refused = super().refused_fields()
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            refused["modalities"] = "only text output is implemented"
+        if self.service_tier in ("flex", "scale", "priority"):
+            refused["service_tier"] = "there is one service tier (auto / default)"
+        return refused
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -174,7 +311,36 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return conversation(self.messages)
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them; ValueError for content it cannot take."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
+class TokenizeCompletionRequest(OpenAIRequest):
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    def conversation(self) -> list[dict[str, str]]:
+        return conversation(self.messages)
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+"""vLLM's /tokenize body: a text `prompt`, or chat `messages` rendered by the chat template."""
+
+
+class DetokenizeRequest(OpenAIRequest):
+    tokens: list[TokenId]
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -184,6 +350,10 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+    def add_completion_tokens(self, num_tokens: int) -> None:
+        self.completion_tokens += num_tokens
+        self.total_tokens += num_tokens
 
 
 class CompletionLogprobs(BaseModel):
@@ -266,6 +436,33 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "degraded"]
+    dead_ranks: list[int] = Field(default_factory=list)
+    """Data parallel: ranks that died while others still serve."""
+    errors: dict[str, str] = Field(default_factory=dict)
+    """Rank -> why it died."""
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class SleepState(BaseModel):
+    is_sleeping: bool
 
 
 class ModelCard(BaseModel):

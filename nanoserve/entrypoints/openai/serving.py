@@ -1,15 +1,19 @@
-"""What every generating route shares: model and context-length checks, starting engine requests, the
-server-sent-events response, usage, and the `OpenAIServing` object the routes get as a dependency.
+"""What every route over the engine shares: request checks (model, refused and unknown fields),
+admission (the queue limit), context-length fitting, starting engine requests, the server-sent-events
+response, usage, and the `OpenAIServing` object the routes get as a dependency.
 
 Everything a request can get wrong is found before the first byte of the response is sent (so a bad
 streaming request still gets a 4xx, not a 200 with an error inside). Once streaming has begun, an
-error — the engine dying included — ends the stream with one `data: {"error": ...}` event and
-`data: [DONE]`. A client that goes away mid-request has its requests aborted in the engine.
+error — the engine dying or the request timeout included — ends the stream with one
+`data: {"error": ...}` event and `data: [DONE]`. A client that goes away mid-request has its requests
+aborted in the engine, and so has a request that outlives its deadline.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -17,19 +21,69 @@ from fastapi.responses import StreamingResponse
 
 from nanoserve.engine.async_llm import AsyncLLM, RequestStream
 from nanoserve.engine.exceptions import EngineDeadError
-from nanoserve.entrypoints.openai.errors import OpenAIError, engine_error
-from nanoserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from nanoserve.entrypoints.openai.errors import OpenAIError, engine_error, error_responses
+from nanoserve.entrypoints.openai.protocol import OpenAIRequest, SamplingRequest, UsageInfo
+from nanoserve.entrypoints.openai.streams import Deadline
 from nanoserve.outputs import CompletionOutput
+
+logger = logging.getLogger("nanoserve.server")
+
+RETRY_AFTER_S = 1
+"""What a 429 tells the client to wait: about the time a short request takes to make room."""
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_name: str,
+        max_queued_requests: int | None = None,
+        request_timeout: float | None = None,
+    ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        self.max_queued_requests = max_queued_requests
+        self.request_timeout = request_timeout
+        self.warned_fields: set[tuple[str, str]] = set()
+        """(request type, field) of the unknown fields already named in the log (each is named once)."""
+
+    def check_request(self, request: OpenAIRequest) -> None:
+        """404 for another model, 400 naming the refused fields; unknown fields are logged once each."""
+        self.check_model(request.model)
+        refused = request.refused_fields()
+        if refused:
+            reasons = "; ".join(f"`{name}`: {why}" for name, why in refused.items())
+            raise OpenAIError(f"Unsupported request field(s): {reasons}.", param=next(iter(refused)))
+        kind = type(request).__name__
+        unknown = [name for name in request.unknown_fields() if (kind, name) not in self.warned_fields]
+        if unknown:
+            self.warned_fields.update((kind, name) for name in unknown)
+            logger.warning(
+                "ignored %s field(s) nanoserve does not know: %s (each named once)", kind, ", ".join(unknown)
+            )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "not_found_error", "model")
+
+    def admit(self, num_seqs: int) -> None:
+        """429 when `num_seqs` more sequences would leave more than max_queued_requests of them waiting
+        for a place in the engine's running batch; call it just before starting them (no await between)."""
+        if self.max_queued_requests is None:
+            return
+        num_waiting = self.engine.num_unfinished_seqs + num_seqs - self.engine.max_num_seqs
+        if num_waiting > self.max_queued_requests:
+            raise OpenAIError(
+                f"The server is busy: {self.max_queued_requests} request(s) may wait for the engine and this "
+                f"one ({num_seqs} sequence(s)) would make {num_waiting}. Retry after {RETRY_AFTER_S} s.",
+                429,
+                "rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+
+    def deadline(self) -> Deadline | None:
+        """The deadline of a request arriving now (None without --request-timeout)."""
+        return Deadline.after(self.request_timeout)
 
     def fit_max_tokens(self, request: SamplingRequest, num_prompt_tokens: int) -> int:
         """The max_tokens to use: as asked when it fits the context, the room left when not asked."""
@@ -76,6 +130,19 @@ class OpenAIServing:
         return streams
 
 
+def generation_responses(body: type) -> dict[int | str, dict[str, Any]]:
+    """A generating route's /openapi.json responses: JSON, or server-sent events with `stream: true`."""
+    return {
+        200: {
+            "model": body,
+            "description": "The response as JSON; with `stream: true`, server-sent events instead: "
+            "`data: <chunk JSON>` lines, then `data: [DONE]`",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        },
+        **error_responses(400, 401, 404, 408, 413, 429, 503),
+    }
+
+
 def get_serving(raw_request: Request) -> OpenAIServing:
     return raw_request.app.state.serving
 
@@ -90,9 +157,18 @@ def sse(payload: str) -> str:
 
 class SSEResponse(StreamingResponse):
     """Server-sent events; whatever ends the response (even a disconnect before the body started),
-    the requests behind it are aborted if still running."""
+    the requests behind it are aborted if still running. Past the deadline the body is stopped and the
+    stream ends with the timeout error."""
 
-    def __init__(self, body: AsyncIterator[str], engine: AsyncLLM, streams: list[RequestStream]) -> None:
+    def __init__(
+        self,
+        body: AsyncGenerator[str, None],
+        engine: AsyncLLM,
+        streams: list[RequestStream],
+        deadline: Deadline | None = None,
+    ) -> None:
+        if deadline is not None:
+            body = until_deadline(body, deadline)
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.engine, self.streams = engine, streams
 
@@ -105,12 +181,29 @@ class SSEResponse(StreamingResponse):
                 await self.engine.abort(unfinished)
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=num_prompt_tokens,
-        completion_tokens=num_completion_tokens,
-        total_tokens=num_prompt_tokens + num_completion_tokens,
-    )
+async def until_deadline(body: AsyncGenerator[str, None], deadline: Deadline) -> AsyncGenerator[str, None]:
+    """The body's events until the deadline; then the timeout error event and [DONE]. Cancelling the
+    body's pending step ends it (its engine requests are aborted on the way out)."""
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(anext(body), deadline.remaining())
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                yield sse(deadline.error().response().model_dump_json())
+                yield sse("[DONE]")
+                return
+            yield event
+    finally:
+        await body.aclose()
+
+
+def track_usage(raw_request: Request, num_prompt_tokens: int) -> UsageInfo:
+    """The request's usage, counted as its tokens arrive; the access log reads it from the request state."""
+    info = UsageInfo(prompt_tokens=num_prompt_tokens, total_tokens=num_prompt_tokens)
+    raw_request.state.usage = info
+    return info
 
 
 def raise_on_error(c: CompletionOutput) -> None:
