@@ -45,8 +45,11 @@ class EngineHungError(EngineDeadError):
 
 @dataclass
 class FinishedRequestStats:
+    request_id: str
     finish_reason: str
     e2e_latency: float
+    time_to_first_token: float | None
+    """None when the request ended before its first token."""
     num_prompt_tokens: int
     num_generation_tokens: int
     queue_time: float | None = None
@@ -63,6 +66,8 @@ class FinishedRequestStats:
 class IterationStats:
     """What one batch of engine outputs did, for metrics."""
 
+    engine_index: int = 0
+    """The data-parallel rank that sent the batch (and the scheduler stats that come with it)."""
     num_prompt_tokens: int = 0
     """Prompt tokens of the requests that produced their first token in this batch."""
     num_generation_tokens: int = 0
@@ -99,9 +104,15 @@ class _RequestTiming:
         self.last_token_time = now
         self.num_generation_tokens += len(output.new_token_ids)
 
-    def finish(self, finish_reason: str, now: float) -> FinishedRequestStats:
+    def finished(self, request_id: str, finish_reason: str, now: float) -> FinishedRequestStats:
+        ttft = self.first_token_time - self.arrival_time if self.first_token_time is not None else None
         stats = FinishedRequestStats(
-            finish_reason, now - self.arrival_time, self.num_prompt_tokens, self.num_generation_tokens
+            request_id,
+            finish_reason,
+            now - self.arrival_time,
+            ttft,
+            self.num_prompt_tokens,
+            self.num_generation_tokens,
         )
         first, last = self.first_token_engine_time, self.last_token_engine_time
         if self.queued_time is not None and self.scheduled_time is not None and first and last:
@@ -329,7 +340,7 @@ class AsyncLLM:
             self.streams.pop(rid, None)
             timing = self._timings.pop(rid, None)
             if timing is not None:
-                stats.finished.append(timing.finish(finish_reason, now))
+                stats.finished.append(timing.finished(rid, finish_reason, now))
         self._log_stats(None, stats)
         return engine_ids
 
@@ -385,7 +396,7 @@ class AsyncLLM:
             self._fail_all(error)
 
     async def _process_slice(self, engine_outputs: EngineCoreOutputs, last: bool) -> None:
-        stats = IterationStats()
+        stats = IterationStats(engine_index=engine_outputs.engine_index)
         now = time.monotonic()
         for output in engine_outputs.outputs:
             state = self.output_processor.engine_to_request.get(output.request_id)
@@ -409,7 +420,8 @@ class AsyncLLM:
                 self.streams.pop(request_output.request_id, None)
                 timing = self._timings.pop(request_output.request_id, None)
                 if timing is not None:
-                    stats.finished.append(timing.finish(_finish_reason(request_output.outputs), now))
+                    reason = _finish_reason(request_output.outputs)
+                    stats.finished.append(timing.finished(request_output.request_id, reason, now))
         if to_abort:
             await self.engine_core.abort_requests_async(to_abort)
         self._log_stats(engine_outputs.scheduler_stats if last else None, stats)

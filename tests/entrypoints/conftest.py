@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from openai_server import Server
+from servers import Server
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import json
 import httpx
 import openai
 import pytest
-from openai_server import metric, wait_for
+from servers import metric, wait_for
 
 LONG = {"prompt": "Tell me a story", "max_tokens": 200, "ignore_eos": True}
 

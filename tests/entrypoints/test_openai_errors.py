@@ -11,7 +11,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
-from openai_server import free_port
+from servers import free_port
 
 from nanoserve.entrypoints.openai.errors import add_exception_handlers
 from nanoserve.entrypoints.openai.middleware import UnhandledErrorMiddleware

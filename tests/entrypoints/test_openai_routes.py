@@ -12,7 +12,7 @@ import json
 import httpx
 import openai
 import pytest
-from openai_server import API_KEY, Server, auth, metric, wait_for
+from servers import API_KEY, Server, auth, metric, wait_for
 
 ORIGIN = "http://page.example"
 UNICODE_TEXT = "Grüße, 世界! naïve café — 🙂🚀 ∑x²"

@@ -19,7 +19,7 @@ import time
 import httpx
 import openai
 import pytest
-from openai_server import API_KEY, Server, auth, metric, wait_for
+from servers import API_KEY, Server, auth, metric, wait_for
 
 
 @pytest.fixture(scope="module")

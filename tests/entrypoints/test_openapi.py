@@ -13,7 +13,6 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from openai_server import API_KEY, Server, auth
 from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
@@ -22,6 +21,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 from schemathesis.core.result import Ok
+from servers import API_KEY, Server, auth
 
 EXAMPLES_PER_OPERATION = 15
 MAX_MODEL_LEN = 96

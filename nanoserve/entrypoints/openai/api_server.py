@@ -2,9 +2,10 @@
 
 Routes, one module (an APIRouter) per family: completions.py (/v1/completions), chat.py
 (/v1/chat/completions), models.py (/v1/models), tokenize.py (/tokenize, /detokenize), health.py
-(/health, /ping, /version), metrics.py (/metrics), and with --enable-sleep-endpoints sleep.py (/sleep,
-/wake_up, /is_sleeping). /v1 routes are behind the API key when one is set. Every error is answered in
-OpenAI's format, and /openapi.json says so (openapi.py).
+(/health, /ping, /version), metrics.py (/metrics), with --enable-sleep-endpoints sleep.py (/sleep,
+/wake_up, /is_sleeping), and the web page at / with its dashboard data (web.py; off with --no-web).
+/v1 routes are behind the API key when one is set. Every error is answered in OpenAI's format, and
+/openapi.json says so (openapi.py).
 
 Middleware, outermost first: the access log, CORS (with --allowed-origins), the body limit and API key,
 and the last resort that turns an exception no handler took into a 500 without breaking the connection.
@@ -48,6 +49,7 @@ from nanoserve.entrypoints.openai.middleware import (
 )
 from nanoserve.entrypoints.openai.openapi import use_truthful_openapi
 from nanoserve.entrypoints.openai.serving import OpenAIServing
+from nanoserve.entrypoints.openai.web import STATS_PATH, mount_web
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -68,6 +70,11 @@ class ServerOptions:
     """Seconds in-flight requests may take to finish after SIGTERM."""
     exit_on_engine_death: bool = True
     log_level: str = "info"
+    web: bool = True
+    """The chat and dashboard page at / (and its data endpoint)."""
+    root_path: str = ""
+    """The path prefix a proxy serves us under (and strips), e.g. /nanoserve."""
+
     access_log: bool = True
     """One line per request on the `nanoserve.access` logger."""
     max_queued_requests: int | None = None
@@ -82,6 +89,10 @@ class ServerOptions:
     """Mount /sleep, /wake_up and /is_sleeping (for a trusted operator: they stop the engine serving)."""
 
     def __post_init__(self) -> None:
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(
+                f"root_path must start with '/' and not end with one (e.g. /nanoserve), got {self.root_path!r}."
+            )
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be non-negative, got {self.max_queued_requests}.")
         if self.request_timeout is not None and not self.request_timeout > 0:
@@ -103,6 +114,7 @@ ROUTERS = (
 
 def build_app(engine: AsyncLLM, options: ServerOptions, stat_logger: PrometheusStatLogger) -> FastAPI:
     """The app over a built engine; routes find the engine, options and metrics on `app.state`."""
+    served_model_name = options.served_model_name or engine.model_name
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
@@ -113,7 +125,10 @@ def build_app(engine: AsyncLLM, options: ServerOptions, stat_logger: PrometheusS
     # add_middleware wraps what is there: the last added is the outermost
     app.add_middleware(UnhandledErrorMiddleware)
     app.add_middleware(
-        GuardMiddleware, api_key=options.api_key, max_body_bytes=options.max_request_body_bytes
+        GuardMiddleware,
+        api_key=options.api_key,
+        max_body_bytes=options.max_request_body_bytes,
+        protected=("/v1", STATS_PATH) if options.web else ("/v1",),
     )
     if options.allowed_origins:
         app.add_middleware(
@@ -127,7 +142,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions, stat_logger: PrometheusS
     app.state.stat_logger = stat_logger
     app.state.serving = OpenAIServing(
         engine,
-        options.served_model_name or engine.model_name,
+        served_model_name,
         max_queued_requests=options.max_queued_requests,
         request_timeout=options.request_timeout,
     )
@@ -136,6 +151,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions, stat_logger: PrometheusS
     if options.enable_sleep_endpoints:
         app.include_router(sleep.router)
     use_truthful_openapi(app)
+    if options.web:
+        mount_web(app, engine, served_model_name)
     return app
 
 
@@ -184,6 +201,7 @@ async def _serve(engine_options: EngineOptions, options: ServerOptions) -> int:
             access_log=False,
             timeout_graceful_shutdown=math.ceil(options.shutdown_grace_period),
             timeout_keep_alive=5,
+            root_path=options.root_path,
         )
         server = uvicorn.Server(config)
         watchdog = asyncio.create_task(_watch_engine(engine, server, options))
@@ -193,6 +211,8 @@ async def _serve(engine_options: EngineOptions, options: ServerOptions) -> int:
             options.host,
             options.port,
         )
+        if options.web:
+            logger.info("chat and dashboard page on http://%s:%d/", options.host, options.port)
         await server.serve()
         if watchdog.done() and not watchdog.cancelled() and watchdog.result():
             exit_code = 1

@@ -85,19 +85,23 @@ class UnhandledErrorMiddleware:
 
 
 class GuardMiddleware:
-    """Refuses oversized bodies (413) and, for /v1 routes, requests without the bearer token (401)."""
+    """Refuses oversized bodies (413) and, on protected routes, requests without the bearer token (401)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, max_body_bytes: int, protected: tuple[str, ...]
+    ) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.protected = protected
+        """Path prefixes behind the API key."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key is not None and scope["path"].startswith("/v1"):
+        if self.api_key is not None and route_path(scope).startswith(self.protected):
             token = headers.get("authorization", "")
             scheme, _, value = token.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
@@ -129,3 +133,9 @@ class GuardMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes see: behind --root-path the server receives the prefix as part of the path."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root + "/") else path

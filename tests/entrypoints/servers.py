@@ -1,9 +1,11 @@
-"""A real `nanoserve serve` in a subprocess for the server tests, and helpers to read it from outside
-(its Prometheus metrics, its log). Every server and its engine child are killed by `stop()`."""
+"""`nanoserve serve` in a subprocess for the tests that drive a real server (the OpenAI surface, the web
+page): started on a free port, waited on until /health answers, and killed with every process it started;
+and helpers to read a server from outside (its Prometheus metrics, a condition to wait for)."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -13,8 +15,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-API_KEY = "test-key"
 STARTUP_TIMEOUT_S = 120
+API_KEY = "test-key"
+"""The key of the servers tests start with --api-key."""
 
 
 def free_port() -> int:
@@ -55,11 +58,19 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
-    def engine_pid(self) -> int:
+    def engine_pids(self) -> dict[int, int]:
+        """Engine rank -> pid of its engine-core process."""
+        pids = {}
         for child in psutil.Process(self.proc.pid).children(recursive=True):
-            if "EngineCore" in " ".join(child.cmdline()):
-                return child.pid
-        raise AssertionError("no engine core child found")
+            match = re.search(r"EngineCore_(\d+)", " ".join(child.cmdline()))
+            if match:
+                pids[int(match[1])] = child.pid
+        return pids
+
+    def engine_pid(self) -> int:
+        pids = self.engine_pids()
+        assert pids, "no engine core child found"
+        return pids[min(pids)]
 
     def stop(self) -> None:
         """Kill the server and every process it started (they share its session)."""
