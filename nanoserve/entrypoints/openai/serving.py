@@ -74,8 +74,8 @@ class OpenAIServing:
         num_waiting = self.engine.num_unfinished_seqs + num_seqs - self.engine.max_num_seqs
         if num_waiting > self.max_queued_requests:
             raise OpenAIError(
-                f"The server is busy: {self.max_queued_requests} request(s) may wait for the engine and this "
-                f"one ({num_seqs} sequence(s)) would make {num_waiting}. Retry after {RETRY_AFTER_S} s.",
+                f"The server is busy: at most {self.max_queued_requests} sequence(s) may wait for the engine, "
+                f"and this request's {num_seqs} would make {num_waiting} wait. Retry after {RETRY_AFTER_S} s.",
                 429,
                 "rate_limit_error",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
