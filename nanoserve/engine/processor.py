@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from nanoserve import structured_output
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.wire.messages import EngineCoreReadyResponse, EngineCoreRequest
 
@@ -68,11 +69,14 @@ class Processor:
         params.validate()
         text, prompt_token_ids = self.tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
-        self._validate_stop_token_ids(params)
+        self._validate_token_ids(params)
+        if params.structured_outputs is not None:
+            structured_output.validate(params.structured_outputs)
+        params = self._with_bad_words_token_ids(self._fit_max_tokens(params, len(prompt_token_ids)))
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
-            sampling_params=self._fit_max_tokens(params, len(prompt_token_ids)),
+            sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=time.time(),
         )
@@ -93,10 +97,25 @@ class Processor:
                 f"Prompt token id(s) {bad[:5]} are out of the vocabulary [0, {self.vocab_size})."
             )
 
-    def _validate_stop_token_ids(self, params: SamplingParams) -> None:
-        bad = [t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are out of the vocabulary [0, {self.vocab_size}).")
+    def _validate_token_ids(self, params: SamplingParams) -> None:
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            bad = [t for t in getattr(params, name) or () if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} {bad[:5]} are out of the vocabulary [0, {self.vocab_size}).")
+
+    def _with_bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
+        """bad_words as the token sequences to avoid (vLLM's rule): each word as tokenized at the start
+        of the text, and with a leading space where that tokenizes to a different word of as many tokens."""
+        if not params.bad_words:
+            return params
+        sequences: list[list[int]] = []
+        for word in params.bad_words:
+            alone = self.tokenizer(word.lstrip(), add_special_tokens=False).input_ids
+            spaced = self.tokenizer(" " + word.lstrip(), add_special_tokens=False).input_ids
+            sequences.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        return msgspec.structs.replace(params, bad_words_token_ids=sequences)
 
     def _fit_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """Clamp max_tokens to the room left in the context; None fills it. Never mutates the caller's params."""
