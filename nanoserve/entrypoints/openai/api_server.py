@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over one AsyncLLM, run by uvicorn.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models (behind the API key when one is set),
-/health, /version, /metrics. Every error is answered in OpenAI's format.
+Routes, one module (an APIRouter) per family: completions.py (/v1/completions), chat.py
+(/v1/chat/completions), models.py (/v1/models), health.py (/health, /version), metrics.py (/metrics).
+/v1 routes are behind the API key when one is set. Every error is answered in OpenAI's format.
 
 Lifecycle: the engine is built before the server listens. SIGTERM (or SIGINT) stops accepting, lets
 in-flight requests finish for the grace period, shuts the engine down and exits 0. When the engine
@@ -17,33 +18,23 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import os
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from fastapi import FastAPI
 
 import nanoserve
 from nanoserve.config import EngineOptions
 from nanoserve.engine.async_llm import AsyncLLM
-from nanoserve.engine.exceptions import EngineDeadError, EngineStartupError
-from nanoserve.entrypoints.openai.errors import OpenAIError, engine_error, error_json
-from nanoserve.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatLogger
-from nanoserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-)
+from nanoserve.engine.exceptions import EngineStartupError
+from nanoserve.entrypoints.openai import chat, completions, health, metrics, models
+from nanoserve.entrypoints.openai.errors import add_exception_handlers
+from nanoserve.entrypoints.openai.metrics import PrometheusStatLogger
+from nanoserve.entrypoints.openai.middleware import GuardMiddleware
 from nanoserve.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("nanoserve.server")
@@ -67,62 +58,13 @@ class ServerOptions:
     log_level: str = "info"
 
 
-# -- middleware -------------------------------------------------------------------------------
-
-
-class GuardMiddleware:
-    """Refuses oversized bodies (413) and, for /v1 routes, requests without the bearer token (401)."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
-        self.app = app
-        self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key is not None and scope["path"].startswith("/v1"):
-            token = headers.get("authorization", "")
-            scheme, _, value = token.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                value.strip().encode(), self.api_key.encode()
-            ):
-                response = error_json("Invalid or missing API key.", 401, "authentication_error")
-                await response(scope, receive, send)
-                return
-        length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            response = error_json(
-                f"The request body ({length} bytes) is larger than the limit of {self.max_body_bytes} bytes.",
-                413,
-                "invalid_request_error",
-            )
-            await response(scope, receive, send)
-            return
-        num_bytes = 0
-
-        async def limited_receive() -> Message:
-            nonlocal num_bytes
-            message = await receive()
-            if message["type"] == "http.request":
-                num_bytes += len(message.get("body", b""))
-                if num_bytes > self.max_body_bytes:
-                    raise OpenAIError(
-                        f"The request body is larger than the limit of {self.max_body_bytes} bytes.", 413
-                    )
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-
 # -- the app ----------------------------------------------------------------------------------
+
+ROUTERS = (completions.router, chat.router, models.router, health.router, metrics.router)
 
 
 def build_app(engine: AsyncLLM, options: ServerOptions, stat_logger: PrometheusStatLogger) -> FastAPI:
-    served_model_name = options.served_model_name or engine.model_name
-    serving = OpenAIServing(engine, served_model_name)
+    """The app over a built engine; routes find the engine, options and metrics on `app.state`."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -133,88 +75,14 @@ def build_app(engine: AsyncLLM, options: ServerOptions, stat_logger: PrometheusS
     app.add_middleware(
         GuardMiddleware, api_key=options.api_key, max_body_bytes=options.max_request_body_bytes
     )
+    add_exception_handlers(app)
     app.state.engine = engine
-    app.state.serving = serving
-
-    @app.exception_handler(OpenAIError)
-    async def on_openai_error(request: Request, e: OpenAIError) -> JSONResponse:
-        return JSONResponse(e.response().model_dump(), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        errors = e.errors()
-        if errors and errors[0].get("type") == "json_invalid":
-            position = errors[0].get("loc", ("body", "?"))[-1]
-            reason = errors[0].get("ctx", {}).get("error", "invalid JSON")
-            return error_json(
-                f"The request body is not valid JSON ({reason} at character {position}).",
-                400,
-                "invalid_request_error",
-            )
-        loc = [p for p in (errors[0].get("loc", ()) if errors else ()) if p != "body"]
-        message = "; ".join(_describe(err) for err in errors[:5]) or "Invalid request."
-        return error_json(message, 400, "invalid_request_error", str(loc[0]) if loc else None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_json(str(e.detail), e.status_code, kind)
-
-    @app.exception_handler(EngineDeadError)
-    async def on_engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
-        error = engine_error(e)
-        return JSONResponse(error.response().model_dump(), status_code=error.status)
-
-    @app.exception_handler(Exception)
-    async def on_internal_error(request: Request, e: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return error_json(f"Internal server error: {type(e).__name__}: {e}", 500, "internal_server_error")
-
-    @app.get("/health")
-    async def health() -> Response:
-        try:
-            await engine.check_health(options.health_hang_timeout)
-        except EngineDeadError as e:
-            return error_json(f"The engine is not healthy: {e}", 503, "service_unavailable")
-        dead = engine.dead_ranks
-        if dead:  # some data-parallel ranks still serve: healthy enough to keep, but say what is lost
-            return JSONResponse(
-                {
-                    "status": "degraded",
-                    "dead_ranks": sorted(dead),
-                    "errors": {str(rank): str(error) for rank, error in sorted(dead.items())},
-                }
-            )
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": nanoserve.__version__}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(stat_logger.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return ModelList(
-            data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)]
-        ).model_dump()
-
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return await serving.create_completion(request, raw_request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await serving.create_chat_completion(request, raw_request)
-
+    app.state.options = options
+    app.state.stat_logger = stat_logger
+    app.state.serving = OpenAIServing(engine, options.served_model_name or engine.model_name)
+    for router in ROUTERS:
+        app.include_router(router)
     return app
-
-
-def _describe(err: dict) -> str:
-    loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-    return f"{loc}: {err.get('msg', 'invalid')}" if loc else str(err.get("msg", "invalid"))
 
 
 # -- running it -------------------------------------------------------------------------------

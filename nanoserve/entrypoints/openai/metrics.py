@@ -1,4 +1,4 @@
-"""Prometheus metrics for `/metrics`, named as vLLM names them but under the `nanoserve:` prefix.
+"""GET /metrics: Prometheus metrics, named as vLLM names them but under the `nanoserve:` prefix.
 
 A `PrometheusStatLogger` is one of AsyncLLM's stat loggers: it is called on the event loop with the
 latest scheduler stats and what each batch of outputs did. It owns its registry, so several servers
@@ -7,6 +7,8 @@ latest scheduler stats and what each batch of outputs did. It owns its registry,
 
 from __future__ import annotations
 
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -155,3 +157,11 @@ class PrometheusStatLogger:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+router = APIRouter()
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    return Response(raw_request.app.state.stat_logger.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,150 @@
+"""POST /v1/chat/completions: the conversation through the model's chat template, n samples."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from nanoserve.engine.async_llm import RequestStream
+from nanoserve.entrypoints.openai.errors import OpenAIError, engine_error
+from nanoserve.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from nanoserve.entrypoints.openai.serving import (
+    OpenAIServing,
+    Serving,
+    SSEResponse,
+    raise_on_error,
+    sse,
+    usage,
+)
+from nanoserve.entrypoints.openai.streams import collect, run_until_disconnect
+from nanoserve.outputs import CompletionOutput
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(
+    request: ChatCompletionRequest, raw_request: Request, serving: Serving
+) -> Response:
+    serving.check_model(request.model)
+    engine = serving.engine
+    try:
+        prompt = await engine.render_chat(request.conversation(), request.add_generation_prompt)
+    except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
+        raise OpenAIError(f"Cannot apply the chat template: {e}", param="messages") from e
+    request_id = random_id("chatcmpl")
+    stream = await serving.start(request_id, prompt, request)
+    num_prompt_tokens = len(prompt["prompt_token_ids"])
+    if request.stream:
+        return SSEResponse(
+            chat_stream(serving, request_id, request, num_prompt_tokens, stream), engine, [stream]
+        )
+    (final,) = await run_until_disconnect(raw_request, collect(engine, [stream]))
+    choices, num_completion_tokens = [], 0
+    for c in final.outputs:
+        raise_on_error(c)
+        num_completion_tokens += len(c.token_ids)
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+        )
+    return JSONResponse(
+        ChatCompletionResponse(
+            id=request_id,
+            model=serving.served_model_name,
+            choices=choices,
+            usage=usage(num_prompt_tokens, num_completion_tokens),
+        ).model_dump()
+    )
+
+
+async def chat_stream(
+    serving: OpenAIServing,
+    request_id: str,
+    request: ChatCompletionRequest,
+    num_prompt_tokens: int,
+    stream: RequestStream,
+) -> AsyncGenerator[str, None]:
+    def chunk(choices: list[ChatStreamChoice], usage_info: UsageInfo | None = None) -> str:
+        body = ChatCompletionChunk(
+            id=request_id, model=serving.served_model_name, choices=choices, usage=usage_info
+        )
+        return sse(body.model_dump_json(exclude_none=usage_info is None))
+
+    num_completion_tokens = 0
+    try:
+        yield chunk(
+            [
+                ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                for i in range(request.n)
+            ]
+        )
+        async for output in serving.engine.iterate(stream, output_kind="delta"):
+            choices = []
+            for c in output.outputs:
+                raise_on_error(c)
+                num_completion_tokens += len(c.token_ids)
+                if not c.text and c.finish_reason is None:
+                    continue
+                choices.append(
+                    ChatStreamChoice(
+                        index=c.index,
+                        delta=DeltaMessage(content=c.text or None),
+                        logprobs=chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+            if choices:
+                yield chunk(choices)
+        if request.stream_options is not None and request.stream_options.include_usage:
+            yield chunk([], usage(num_prompt_tokens, num_completion_tokens))
+    except Exception as e:
+        yield sse(engine_error(e).response().model_dump_json())
+    yield sse("[DONE]")
+
+
+def chat_logprobs(c: CompletionOutput, num_top: int) -> ChatLogprobs:
+    content = []
+    for token_id, step in zip(c.token_ids, c.logprobs or [], strict=False):
+        sampled = step.get(token_id)
+        ranked = sorted(
+            (lp for tid, lp in step.items() if lp.rank is not None and lp.rank <= num_top),
+            key=lambda lp: lp.rank,
+        )
+        content.append(
+            TokenLogprob(
+                token=(sampled.decoded_token if sampled else "") or "",
+                logprob=sampled.logprob if sampled else float("-inf"),
+                bytes=list((sampled.decoded_token or "").encode()) if sampled else None,
+                top_logprobs=[
+                    TopLogprob(
+                        token=lp.decoded_token or "",
+                        logprob=lp.logprob,
+                        bytes=list((lp.decoded_token or "").encode()),
+                    )
+                    for lp in ranked
+                ],
+            )
+        )
+    return ChatLogprobs(content=content)

@@ -1,0 +1,144 @@
+"""POST /v1/completions: one engine request per prompt (text or token ids), n samples each."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from nanoserve.engine.async_llm import RequestStream
+from nanoserve.entrypoints.openai.errors import OpenAIError, engine_error
+from nanoserve.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    random_id,
+)
+from nanoserve.entrypoints.openai.serving import (
+    OpenAIServing,
+    Serving,
+    SSEResponse,
+    raise_on_error,
+    sse,
+    usage,
+)
+from nanoserve.entrypoints.openai.streams import collect, merge, run_until_disconnect
+from nanoserve.outputs import CompletionOutput
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(request: CompletionRequest, raw_request: Request, serving: Serving) -> Response:
+    serving.check_model(request.model)
+    if request.suffix:
+        raise OpenAIError("suffix is not supported.", param="suffix")
+    if request.echo and request.logprobs is not None:
+        raise OpenAIError("echo together with logprobs is not supported.", param="echo")
+    engine = serving.engine
+    try:
+        prompts = [await engine.tokenize(p) for p in request.prompts()]
+        if request.echo:
+            for p in prompts:
+                if p["prompt"] is None:
+                    p["prompt"] = engine.tokenizer.decode(p["prompt_token_ids"])
+    except ValueError as e:
+        raise OpenAIError(str(e), param="prompt") from e
+    request_id = random_id("cmpl")
+    streams = await serving.start_all(request_id, prompts, request)
+    if request.stream:
+        return SSEResponse(completion_stream(serving, request_id, request, prompts, streams), engine, streams)
+    finals = await run_until_disconnect(raw_request, collect(engine, streams))
+    choices, num_prompt_tokens, num_completion_tokens = [], 0, 0
+    for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
+        num_prompt_tokens += len(prompt["prompt_token_ids"])
+        for c in final.outputs:
+            raise_on_error(c)
+            num_completion_tokens += len(c.token_ids)
+            text = (prompt["prompt"] if request.echo else "") + c.text
+            logprobs = completion_logprobs(c, 0) if request.logprobs is not None else None
+            choices.append(
+                CompletionChoice(
+                    index=i * request.n + c.index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+    return JSONResponse(
+        CompletionResponse(
+            id=request_id,
+            model=serving.served_model_name,
+            choices=choices,
+            usage=usage(num_prompt_tokens, num_completion_tokens),
+        ).model_dump()
+    )
+
+
+async def completion_stream(
+    serving: OpenAIServing,
+    request_id: str,
+    request: CompletionRequest,
+    prompts: list[dict[str, Any]],
+    streams: list[RequestStream],
+) -> AsyncGenerator[str, None]:
+    num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+    num_completion_tokens = 0
+    text_offsets: dict[int, int] = {}
+    try:
+        async for i, output in merge(serving.engine, streams):
+            chunk_choices = []
+            for c in output.outputs:
+                raise_on_error(c)
+                index = i * request.n + c.index
+                text = c.text
+                if request.echo and index not in text_offsets:
+                    text = prompts[i]["prompt"] + text
+                num_completion_tokens += len(c.token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = completion_logprobs(c, text_offsets.get(index, 0))
+                text_offsets[index] = text_offsets.get(index, 0) + len(text)
+                if text or c.finish_reason is not None or c.token_ids:
+                    chunk_choices.append(
+                        CompletionChoice(
+                            index=index,
+                            text=text,
+                            logprobs=logprobs,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                    )
+            if chunk_choices:
+                chunk = CompletionResponse(
+                    id=request_id, model=serving.served_model_name, choices=chunk_choices
+                )
+                yield sse(chunk.model_dump_json(exclude={"usage"}))
+        if request.stream_options is not None and request.stream_options.include_usage:
+            chunk = CompletionResponse(
+                id=request_id,
+                model=serving.served_model_name,
+                choices=[],
+                usage=usage(num_prompt_tokens, num_completion_tokens),
+            )
+            yield sse(chunk.model_dump_json())
+    except Exception as e:
+        yield sse(engine_error(e).response().model_dump_json())
+    yield sse("[DONE]")
+
+
+def completion_logprobs(c: CompletionOutput, text_offset: int) -> CompletionLogprobs:
+    result = CompletionLogprobs()
+    for token_id, step in zip(c.token_ids, c.logprobs or [], strict=False):
+        sampled = step.get(token_id)
+        token = (sampled.decoded_token if sampled else None) or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(sampled.logprob if sampled else None)
+        result.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in step.values()})
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result
