@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -194,10 +195,12 @@ class AsyncLLM:
         return {"prompt": text, "prompt_token_ids": ids}
 
     async def render_chat(
-        self, conversation: Conversation, add_generation_prompt: bool = True
+        self, conversation: Conversation, add_generation_prompt: bool = True, **options: Any
     ) -> dict[str, Any]:
-        """The conversation through the model's chat template, tokenized off the event loop."""
-        return await self._in_pool(self.processor.render_chat, conversation, add_generation_prompt)
+        """The conversation through the chat template, tokenized off the event loop; options are
+        `Processor.render_chat`'s (tools, chat_template, continue_final_message)."""
+        render = functools.partial(self.processor.render_chat, **options)
+        return await self._in_pool(render, conversation, add_generation_prompt)
 
     async def _in_pool(self, fn: Callable, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)

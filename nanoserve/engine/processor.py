@@ -54,10 +54,24 @@ class Processor:
             f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}."
         )
 
-    def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True) -> dict[str, Any]:
-        """Apply the tokenizer's chat template; the template writes its own special tokens."""
+    def render_chat(
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+    ) -> dict[str, Any]:
+        """Apply the chat template (the tokenizer's unless one is given); the template writes its own
+        special tokens. continue_final_message leaves the last message open for the model to go on."""
         text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation,
+            tools=tools,
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         return {"prompt": text, "prompt_token_ids": ids}
@@ -104,8 +118,9 @@ class Processor:
                 raise ValueError(f"{name} {bad[:5]} are out of the vocabulary [0, {self.vocab_size}).")
 
     def _with_bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
-        """bad_words as the token sequences to avoid (vLLM's rule): each word as tokenized at the start
-        of the text, and with a leading space where that tokenizes to a different word of as many tokens."""
+        """bad_words as the token sequences to avoid: each word as tokenized at the start of the text
+        and after a space. (vLLM keeps the second only when it has as many tokens as the first, which
+        suits SentencePiece; with byte-level BPE " word" is often one token where "word" is several.)"""
         if not params.bad_words:
             return params
         sequences: list[list[int]] = []
@@ -113,7 +128,7 @@ class Processor:
             alone = self.tokenizer(word.lstrip(), add_special_tokens=False).input_ids
             spaced = self.tokenizer(" " + word.lstrip(), add_special_tokens=False).input_ids
             sequences.append(alone)
-            if spaced[0] != alone[0] and len(spaced) == len(alone):
+            if spaced != alone:
                 sequences.append(spaced)
         return msgspec.structs.replace(params, bad_words_token_ids=sequences)
 

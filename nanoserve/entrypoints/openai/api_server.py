@@ -23,6 +23,7 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
@@ -36,6 +37,7 @@ from nanoserve.entrypoints.openai.errors import add_exception_handlers
 from nanoserve.entrypoints.openai.metrics import PrometheusStatLogger
 from nanoserve.entrypoints.openai.middleware import GuardMiddleware
 from nanoserve.entrypoints.openai.serving import OpenAIServing
+from nanoserve.tool_parsers import PARSERS, get_parser
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -56,6 +58,26 @@ class ServerOptions:
     """Seconds in-flight requests may take to finish after SIGTERM."""
     exit_on_engine_death: bool = True
     log_level: str = "info"
+    chat_template: str | None = None
+    """A Jinja chat template, or the path of a file holding one; None: the tokenizer's."""
+    tool_call_parser: str | None = None
+    """One of nanoserve.tool_parsers.PARSERS; None: the one the chat template's format calls for."""
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(sorted(PARSERS))}, got {self.tool_call_parser!r}."
+            )
+
+    def chat_template_text(self) -> str | None:
+        """The template itself: text with Jinja's braces or newlines is inline, anything else a path."""
+        value = self.chat_template
+        if value is None or any(c in value for c in "{}\n"):
+            return value
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"--chat-template {value!r} is neither a template nor a file.")
+        return path.read_text()
 
 
 # -- the app ----------------------------------------------------------------------------------
@@ -79,7 +101,10 @@ def build_app(engine: AsyncLLM, options: ServerOptions, stat_logger: PrometheusS
     app.state.engine = engine
     app.state.options = options
     app.state.stat_logger = stat_logger
-    app.state.serving = OpenAIServing(engine, options.served_model_name or engine.model_name)
+    parser = get_parser(options.tool_call_parser) if options.tool_call_parser else None
+    app.state.serving = OpenAIServing(
+        engine, options.served_model_name or engine.model_name, options.chat_template_text(), parser
+    )
     for router in ROUTERS:
         app.include_router(router)
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -26,7 +27,7 @@ from nanoserve.entrypoints.openai.serving import (
     usage,
 )
 from nanoserve.entrypoints.openai.streams import collect, merge, run_until_disconnect
-from nanoserve.outputs import CompletionOutput
+from nanoserve.outputs import CompletionOutput, RequestOutput
 
 router = APIRouter()
 
@@ -36,8 +37,6 @@ async def create_completion(request: CompletionRequest, raw_request: Request, se
     serving.check_model(request.model)
     if request.suffix:
         raise OpenAIError("suffix is not supported.", param="suffix")
-    if request.echo and request.logprobs is not None:
-        raise OpenAIError("echo together with logprobs is not supported.", param="echo")
     engine = serving.engine
     try:
         prompts = [await engine.tokenize(p) for p in request.prompts()]
@@ -48,7 +47,8 @@ async def create_completion(request: CompletionRequest, raw_request: Request, se
     except ValueError as e:
         raise OpenAIError(str(e), param="prompt") from e
     request_id = random_id("cmpl")
-    streams = await serving.start_all(request_id, prompts, request)
+    overrides = {"prompt_logprobs": request.logprobs} if request.echo and request.logprobs is not None else {}
+    streams = await serving.start_all(request_id, prompts, request, **overrides)
     if request.stream:
         return SSEResponse(completion_stream(serving, request_id, request, prompts, streams), engine, streams)
     finals = await run_until_disconnect(raw_request, collect(engine, streams))
@@ -57,9 +57,14 @@ async def create_completion(request: CompletionRequest, raw_request: Request, se
         num_prompt_tokens += len(prompt["prompt_token_ids"])
         for c in final.outputs:
             raise_on_error(c)
+            c = scored_only(c) if request.max_tokens == 0 else c
             num_completion_tokens += len(c.token_ids)
             text = (prompt["prompt"] if request.echo else "") + c.text
-            logprobs = completion_logprobs(c, 0) if request.logprobs is not None else None
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = (
+                    echoed_logprobs(engine.tokenizer, final, c) if request.echo else completion_logprobs(c, 0)
+                )
             choices.append(
                 CompletionChoice(
                     index=i * request.n + c.index,
@@ -94,14 +99,19 @@ async def completion_stream(
             chunk_choices = []
             for c in output.outputs:
                 raise_on_error(c)
+                c = scored_only(c) if request.max_tokens == 0 else c
                 index = i * request.n + c.index
                 text = c.text
-                if request.echo and index not in text_offsets:
+                echo_now = request.echo and index not in text_offsets
+                if echo_now:
                     text = prompts[i]["prompt"] + text
                 num_completion_tokens += len(c.token_ids)
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = completion_logprobs(c, text_offsets.get(index, 0))
+                    if echo_now:
+                        logprobs = echoed_logprobs(serving.engine.tokenizer, output, c)
+                    else:
+                        logprobs = completion_logprobs(c, text_offsets.get(index, 0))
                 text_offsets[index] = text_offsets.get(index, 0) + len(text)
                 if text or c.finish_reason is not None or c.token_ids:
                     chunk_choices.append(
@@ -129,6 +139,33 @@ async def completion_stream(
     except Exception as e:
         yield sse(engine_error(e).response().model_dump_json())
     yield sse("[DONE]")
+
+
+def scored_only(c: CompletionOutput) -> CompletionOutput:
+    """A max_tokens 0 choice: the one token generated to finish the request is not part of the answer."""
+    return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None)
+
+
+def echoed_logprobs(tokenizer, output: RequestOutput, c: CompletionOutput) -> CompletionLogprobs:
+    """OpenAI's echo with logprobs: every prompt token first (the first one's logprob is null), then the
+    generated tokens; text offsets run over the echoed prompt and the completion."""
+    result = CompletionLogprobs()
+    offset = 0
+    for token_id, step in zip(output.prompt_token_ids, output.prompt_logprobs or [], strict=True):
+        token = tokenizer.decode([token_id])
+        result.tokens.append(token)
+        result.token_logprobs.append(None if step is None else step[token_id].logprob)
+        result.top_logprobs.append(
+            None if step is None else {lp.decoded_token or "": lp.logprob for lp in step.values()}
+        )
+        result.text_offset.append(offset)
+        offset += len(token)
+    generated = completion_logprobs(c, offset)
+    result.tokens += generated.tokens
+    result.token_logprobs += generated.token_logprobs
+    result.top_logprobs += generated.top_logprobs
+    result.text_offset += generated.text_offset
+    return result
 
 
 def completion_logprobs(c: CompletionOutput, text_offset: int) -> CompletionLogprobs:
