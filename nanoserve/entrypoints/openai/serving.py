@@ -100,7 +100,9 @@ class OpenAIServing:
 
 def check_constraint(request: SamplingRequest, from_tools: StructuredOutputsParams | None) -> None:
     """A 400 naming the field when the structured output asked for is not a usable grammar."""
-    field = "tools" if from_tools else "structured_outputs" if request.structured_outputs else "response_format"
+    field = (
+        "tools" if from_tools else "structured_outputs" if request.structured_outputs else "response_format"
+    )
     try:
         spec = from_tools or request.structured_spec()
         if spec is not None:

@@ -63,6 +63,11 @@ class ToolChoice:
                     f"tool_choice names {choice.function.name!r}, which is not among the tools ({', '.join(names)}).",
                     param="tool_choice",
                 )
+            if request.structured_spec() is not None:
+                raise OpenAIError(
+                    "A named tool_choice cannot be combined with response_format or structured_outputs.",
+                    param="tool_choice",
+                )
             return cls("named", tools, function=choice.function.name)
         if choice == "auto" and parser is None:
             raise OpenAIError(
@@ -70,7 +75,7 @@ class ToolChoice:
                 "the server with --tool-call-parser.",
                 param="tool_choice",
             )
-        if choice != "none" and request.structured_spec() is not None:
+        if choice == "required" and request.structured_spec() is not None:
             raise OpenAIError(
                 f"tool_choice {choice!r} cannot be combined with response_format or structured_outputs.",
                 param="tool_choice",
