@@ -15,7 +15,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 import torch
 
@@ -36,7 +35,8 @@ class GrammarCompiler:
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-grammar")
         self._bitmask_pool = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-bitmask")
-        self._executor = llguidance.LLExecutor()
+        self._executor: llguidance.LLExecutor | None = None
+        """llguidance's thread pool for bitmasks, started with the first one."""
 
     def matcher(self, spec: StructuredOutputsParams, generated: list[int]) -> Future[GrammarMatcher]:
         """A matcher for `spec`, already advanced over `generated` (tokens a resumed request produced)."""
@@ -44,6 +44,8 @@ class GrammarCompiler:
 
     def _build(self, spec: StructuredOutputsParams, generated: list[int]) -> GrammarMatcher:
         if self._tokenizer is None:
+            import llguidance.hf  # imports transformers, which an engine without structured requests never needs
+
             self._tokenizer = llguidance.hf.from_tokenizer(self._load_tokenizer(), n_vocab=self.vocab_size)
         grammar = grammar_text(spec)
         compiled = self._compiled.get(grammar)
@@ -65,6 +67,8 @@ class GrammarCompiler:
         return self._bitmask_pool.submit(self._fill, matchers)
 
     def _fill(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
         bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), self.vocab_size)
         pairs = [(m.matcher, i) for i, m in enumerate(matchers)]
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
