@@ -44,9 +44,10 @@ class GrammarCompiler:
 
     def _build(self, spec: StructuredOutputsParams, generated: list[int]) -> GrammarMatcher:
         if self._tokenizer is None:
-            import llguidance.hf  # imports transformers, which an engine without structured requests never needs
+            # imports transformers, which an engine without structured requests never needs
+            from llguidance.hf import from_tokenizer
 
-            self._tokenizer = llguidance.hf.from_tokenizer(self._load_tokenizer(), n_vocab=self.vocab_size)
+            self._tokenizer = from_tokenizer(self._load_tokenizer(), n_vocab=self.vocab_size)
         grammar = grammar_text(spec)
         compiled = self._compiled.get(grammar)
         if compiled is None:
