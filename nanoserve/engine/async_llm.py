@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -248,12 +249,12 @@ class AsyncLLM:
         return {"prompt": text, "prompt_token_ids": ids}
 
     async def render_chat(
-        self, conversation: Conversation, add_generation_prompt: bool = True, add_special_tokens: bool = False
+        self, conversation: Conversation, add_generation_prompt: bool = True, **options: Any
     ) -> dict[str, Any]:
-        """The conversation through the model's chat template, tokenized off the event loop."""
-        return await self._in_pool(
-            self.processor.render_chat, conversation, add_generation_prompt, add_special_tokens
-        )
+        """The conversation through the chat template, tokenized off the event loop; options are
+        `Processor.render_chat`'s (tools, chat_template, continue_final_message, add_special_tokens)."""
+        render = functools.partial(self.processor.render_chat, **options)
+        return await self._in_pool(render, conversation, add_generation_prompt)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         """Token ids -> text, off the event loop; ValueError for ids outside the vocabulary."""

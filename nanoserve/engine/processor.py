@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from nanoserve import structured_output
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.wire.messages import EngineCoreReadyResponse, EngineCoreRequest
 
@@ -54,12 +55,25 @@ class Processor:
         )
 
     def render_chat(
-        self, conversation: Conversation, add_generation_prompt: bool = True, add_special_tokens: bool = False
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> dict[str, Any]:
-        """Apply the tokenizer's chat template; the template writes its own special tokens, so the
-        tokenizer adds none unless asked."""
+        """Apply the chat template (the tokenizer's unless one is given); the template writes its own
+        special tokens, so the tokenizer adds none unless asked. continue_final_message leaves the last
+        message open for the model to go on."""
         text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation,
+            tools=tools,
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
         return {"prompt": text, "prompt_token_ids": ids}
@@ -75,11 +89,14 @@ class Processor:
         params.validate()
         text, prompt_token_ids = self.tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
-        self._validate_stop_token_ids(params)
+        self._validate_param_token_ids(params)
+        if params.structured_outputs is not None:
+            structured_output.validate(params.structured_outputs)
+        params = self._with_bad_words_token_ids(self._fit_max_tokens(params, len(prompt_token_ids)))
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
-            sampling_params=self._fit_max_tokens(params, len(prompt_token_ids)),
+            sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=time.time(),
         )
@@ -101,10 +118,24 @@ class Processor:
         if bad:
             raise ValueError(f"{what} id(s) {bad[:5]} are out of the vocabulary [0, {self.vocab_size}).")
 
-    def _validate_stop_token_ids(self, params: SamplingParams) -> None:
-        bad = [t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are out of the vocabulary [0, {self.vocab_size}).")
+    def _validate_param_token_ids(self, params: SamplingParams) -> None:
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            self._validate_token_ids(list(getattr(params, name) or ()), name)
+
+    def _with_bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
+        """bad_words as the token sequences to avoid: each word as tokenized at the start of the text
+        and after a space. (vLLM keeps the second only when it has as many tokens as the first, which
+        suits SentencePiece; with byte-level BPE " word" is often one token where "word" is several.)"""
+        if not params.bad_words:
+            return params
+        sequences: list[list[int]] = []
+        for word in params.bad_words:
+            alone = self.tokenizer(word.lstrip(), add_special_tokens=False).input_ids
+            spaced = self.tokenizer(" " + word.lstrip(), add_special_tokens=False).input_ids
+            sequences.append(alone)
+            if spaced != alone:
+                sequences.append(spaced)
+        return msgspec.structs.replace(params, bad_words_token_ids=sequences)
 
     def _fit_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """Clamp max_tokens to the room left in the context; None fills it. Never mutates the caller's params."""

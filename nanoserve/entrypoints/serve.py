@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from nanoserve.entrypoints.cli import add_engine_args
+from nanoserve.tool_parsers import PARSERS
 
 DESCRIPTION = """\
 Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
@@ -111,6 +112,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         default=None,
         help="mount POST /sleep, POST /wake_up and GET /is_sleeping (for a trusted operator)",
+    )
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template (inline, or a file) used instead of the tokenizer's, e.g. one that renders tools",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="how tool calls are read out of outputs for tool_choice auto (default: found from the chat template)",
     )
     add_engine_args(parser)
     parser.set_defaults(func=run_serve)

@@ -61,6 +61,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     scheduled_time: float = 0.0
     """When the engine queued the request and first scheduled it (its time.monotonic()); sent with the
     request's first token only, for the queue / prefill / decode histograms."""
+    prompt_logprobs: list[list[tuple[int, float]]] | None = None
+    """With the first token, when asked: per prompt token from the second on,
+    [(its id, logprob), (top1_id, logprob), ...]."""
 
     @property
     def finished(self) -> bool:

@@ -69,9 +69,46 @@ def test_token_ids_out_of_vocab(processor, bad):
         processor.process("r", [5, bad], SamplingParams())
 
 
-def test_stop_token_ids_out_of_vocab(processor):
-    with pytest.raises(ValueError, match="stop_token_ids"):
-        processor.process("r", [5], SamplingParams(stop_token_ids=[49152]))
+@pytest.mark.parametrize(
+    "params",
+    [{"stop_token_ids": [49152]}, {"allowed_token_ids": [3, 49152]}, {"logit_bias": {49152: 1.0}}],
+)
+def test_token_id_fields_out_of_vocab(processor, params):
+    (name,) = params
+    with pytest.raises(ValueError, match=name):
+        processor.process("r", [5], SamplingParams(**params))
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"logit_bias": {3: 100.5}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ],
+)
+def test_sampling_controls_are_range_checked(params, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**params)
+
+
+def test_bad_words_become_token_sequences(processor, tokenizer):
+    _, request = processor.process("r", [5], SamplingParams(bad_words=["Paris", " hello world"]))
+    sequences = request.sampling_params.bad_words_token_ids
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    assert encode("Paris") in sequences and encode(" Paris") in sequences
+    assert encode("hello world") in sequences and encode(" hello world") in sequences
+
+
+def test_bad_structured_output_spec_is_refused(processor):
+    from nanoserve.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="structured_outputs.json"):
+        processor.process("r", [5], SamplingParams(structured_outputs=StructuredOutputsParams(json="{")))
 
 
 def test_invalid_sampling_values(processor):

@@ -30,6 +30,7 @@ import os
 import signal
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
@@ -50,6 +51,7 @@ from nanoserve.entrypoints.openai.middleware import (
 from nanoserve.entrypoints.openai.openapi import use_truthful_openapi
 from nanoserve.entrypoints.openai.serving import OpenAIServing
 from nanoserve.entrypoints.openai.web import STATS_PATH, mount_web
+from nanoserve.tool_parsers import PARSERS, get_parser
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -74,7 +76,6 @@ class ServerOptions:
     """The chat and dashboard page at / (and its data endpoint)."""
     root_path: str = ""
     """The path prefix a proxy serves us under (and strips), e.g. /nanoserve."""
-
     access_log: bool = True
     """One line per request on the `nanoserve.access` logger."""
     max_queued_requests: int | None = None
@@ -87,6 +88,10 @@ class ServerOptions:
     """Prefix of the Prometheus metric names; "vllm" gives vLLM's exact names."""
     enable_sleep_endpoints: bool = False
     """Mount /sleep, /wake_up and /is_sleeping (for a trusted operator: they stop the engine serving)."""
+    chat_template: str | None = None
+    """A Jinja chat template, or the path of a file holding one; None: the tokenizer's."""
+    tool_call_parser: str | None = None
+    """One of nanoserve.tool_parsers.PARSERS; None: the one the chat template's format calls for."""
 
     def __post_init__(self) -> None:
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
@@ -98,6 +103,20 @@ class ServerOptions:
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be positive, got {self.request_timeout}.")
         check_metrics_prefix(self.metrics_prefix)
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(sorted(PARSERS))}, got {self.tool_call_parser!r}."
+            )
+
+    def chat_template_text(self) -> str | None:
+        """The template itself: text with Jinja's braces or newlines is inline, anything else a path."""
+        value = self.chat_template
+        if value is None or any(c in value for c in "{}\n"):
+            return value
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"--chat-template {value!r} is neither a template nor a file.")
+        return path.read_text()
 
 
 # -- the app ----------------------------------------------------------------------------------
@@ -140,9 +159,12 @@ def build_app(engine: AsyncLLM, options: ServerOptions, stat_logger: PrometheusS
     app.state.engine = engine
     app.state.options = options
     app.state.stat_logger = stat_logger
+    parser = get_parser(options.tool_call_parser) if options.tool_call_parser else None
     app.state.serving = OpenAIServing(
         engine,
         served_model_name,
+        options.chat_template_text(),
+        parser,
         max_queued_requests=options.max_queued_requests,
         request_timeout=options.request_timeout,
     )

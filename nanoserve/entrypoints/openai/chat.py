@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -32,6 +33,7 @@ from nanoserve.entrypoints.openai.serving import (
     track_usage,
 )
 from nanoserve.entrypoints.openai.streams import collect, run_until_disconnect
+from nanoserve.entrypoints.openai.tool_calls import ToolChoice, ToolDeltaStream, tool_call_responses
 from nanoserve.outputs import CompletionOutput
 
 router = APIRouter()
@@ -44,31 +46,47 @@ async def create_chat_completion(
     deadline = serving.deadline()
     serving.check_request(request)
     engine = serving.engine
+    tool_choice = ToolChoice.from_request(request, serving.renders_tools, serving.tool_parser)
+    try:
+        conversation = request.conversation()
+    except ValueError as e:
+        raise OpenAIError(str(e), param="messages") from e
     try:
         prompt = await engine.render_chat(
-            request.conversation(), request.add_generation_prompt, request.add_special_tokens
+            conversation,
+            request.add_generation_prompt,
+            tools=tool_choice.tools or None,
+            chat_template=serving.chat_template,
+            continue_final_message=request.continue_final_message,
+            add_special_tokens=request.add_special_tokens,
         )
     except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
         raise OpenAIError(f"Cannot apply the chat template: {e}", param="messages") from e
     request_id = request.response_id("chatcmpl")
     serving.admit(request.n)
-    stream = await serving.start(request_id, prompt, request)
+    overrides: dict[str, Any] = {}
+    if tool_choice.constraint() is not None:
+        overrides["structured_outputs"] = tool_choice.constraint()
+    if tool_choice.needs_special_tokens:
+        overrides["skip_special_tokens"] = False
+    stream = await serving.start(request_id, prompt, request, **overrides)
     usage = track_usage(raw_request, len(prompt["prompt_token_ids"]))
     if request.stream:
         return SSEResponse(
-            chat_stream(serving, request_id, request, stream, usage), engine, [stream], deadline
+            chat_stream(serving, request_id, request, tool_choice, stream, usage), engine, [stream], deadline
         )
     (final,) = await run_until_disconnect(raw_request, collect(engine, [stream]), deadline)
     choices = []
     for c in final.outputs:
         raise_on_error(c)
         usage.add_completion_tokens(len(c.token_ids))
+        content, calls = tool_choice.parse(c.text)
         choices.append(
             ChatChoice(
                 index=c.index,
-                message=ChatResponseMessage(content=c.text),
+                message=ChatResponseMessage(content=content, tool_calls=tool_call_responses(calls)),
                 logprobs=chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
-                finish_reason=c.finish_reason,
+                finish_reason=tool_choice.finish_reason(calls, c.finish_reason),
                 stop_reason=c.stop_reason,
             )
         )
@@ -82,6 +100,7 @@ async def chat_stream(
     serving: OpenAIServing,
     request_id: str,
     request: ChatCompletionRequest,
+    tool_choice: ToolChoice,
     stream: RequestStream,
     usage: UsageInfo,
 ) -> AsyncGenerator[str, None]:
@@ -98,19 +117,28 @@ async def chat_stream(
                 for i in range(request.n)
             ]
         )
+        tool_streams = [ToolDeltaStream(tool_choice) for _ in range(request.n)]
         async for output in serving.engine.iterate(stream, output_kind="delta"):
             choices = []
             for c in output.outputs:
                 raise_on_error(c)
                 usage.add_completion_tokens(len(c.token_ids))
-                if not c.text and c.finish_reason is None:
+                tools = tool_streams[c.index]
+                content, tool_calls = tools.feed(c.text)
+                finish_reason = c.finish_reason
+                if finish_reason is not None:
+                    rest, more_calls = tools.finish()
+                    content = (content or "") + (rest or "") or None
+                    tool_calls = (tool_calls or []) + (more_calls or []) or None
+                    finish_reason = tool_choice.finish_reason(tools.calls, finish_reason)
+                if content is None and tool_calls is None and finish_reason is None:
                     continue
                 choices.append(
                     ChatStreamChoice(
                         index=c.index,
-                        delta=DeltaMessage(content=c.text or None),
+                        delta=DeltaMessage(content=content, tool_calls=tool_calls),
                         logprobs=chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
-                        finish_reason=c.finish_reason,
+                        finish_reason=finish_reason,
                         stop_reason=c.stop_reason,
                     )
                 )

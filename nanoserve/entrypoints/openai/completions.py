@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -27,7 +28,7 @@ from nanoserve.entrypoints.openai.serving import (
     track_usage,
 )
 from nanoserve.entrypoints.openai.streams import collect, merge, run_until_disconnect
-from nanoserve.outputs import CompletionOutput
+from nanoserve.outputs import CompletionOutput, RequestOutput
 
 router = APIRouter()
 
@@ -36,8 +37,6 @@ router = APIRouter()
 async def create_completion(request: CompletionRequest, raw_request: Request, serving: Serving) -> Response:
     deadline = serving.deadline()
     serving.check_request(request)
-    if request.echo and request.logprobs is not None:
-        raise OpenAIError("echo together with logprobs is not supported.", param="echo")
     engine = serving.engine
     try:
         prompts = [await engine.tokenize(p, request.add_special_tokens) for p in request.prompts()]
@@ -49,7 +48,8 @@ async def create_completion(request: CompletionRequest, raw_request: Request, se
         raise OpenAIError(f"prompt: {e}", param="prompt") from e
     request_id = request.response_id("cmpl")
     serving.admit(len(prompts) * request.n)
-    streams = await serving.start_all(request_id, prompts, request)
+    overrides = {"prompt_logprobs": request.logprobs} if request.echo and request.logprobs is not None else {}
+    streams = await serving.start_all(request_id, prompts, request, **overrides)
     usage = track_usage(raw_request, sum(len(p["prompt_token_ids"]) for p in prompts))
     if request.stream:
         body = completion_stream(serving, request_id, request, prompts, streams, usage)
@@ -59,9 +59,14 @@ async def create_completion(request: CompletionRequest, raw_request: Request, se
     for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
         for c in final.outputs:
             raise_on_error(c)
+            c = scored_only(c) if request.max_tokens == 0 else c
             usage.add_completion_tokens(len(c.token_ids))
             text = (prompt["prompt"] if request.echo else "") + c.text
-            logprobs = completion_logprobs(c, 0) if request.logprobs is not None else None
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = (
+                    echoed_logprobs(engine.tokenizer, final, c) if request.echo else completion_logprobs(c, 0)
+                )
             choices.append(
                 CompletionChoice(
                     index=i * request.n + c.index,
@@ -93,12 +98,17 @@ async def completion_stream(
                 raise_on_error(c)
                 index = i * request.n + c.index
                 text = c.text
-                if request.echo and index not in text_offsets:
+                echo_now = request.echo and index not in text_offsets
+                if echo_now:
                     text = prompts[i]["prompt"] + text
+                c = scored_only(c) if request.max_tokens == 0 else c
                 usage.add_completion_tokens(len(c.token_ids))
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = completion_logprobs(c, text_offsets.get(index, 0))
+                    if echo_now:
+                        logprobs = echoed_logprobs(serving.engine.tokenizer, output, c)
+                    else:
+                        logprobs = completion_logprobs(c, text_offsets.get(index, 0))
                 text_offsets[index] = text_offsets.get(index, 0) + len(text)
                 if text or c.finish_reason is not None or c.token_ids:
                     chunk_choices.append(
@@ -135,4 +145,31 @@ def completion_logprobs(c: CompletionOutput, text_offset: int) -> CompletionLogp
         result.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in step.values()})
         result.text_offset.append(text_offset)
         text_offset += len(token)
+    return result
+
+
+def scored_only(c: CompletionOutput) -> CompletionOutput:
+    """A max_tokens 0 choice: the one token generated to finish the request is not part of the answer."""
+    return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None)
+
+
+def echoed_logprobs(tokenizer, output: RequestOutput, c: CompletionOutput) -> CompletionLogprobs:
+    """OpenAI's echo with logprobs: every prompt token first (the first one's logprob is null), then the
+    generated tokens; text offsets run over the echoed prompt and the completion."""
+    result = CompletionLogprobs()
+    offset = 0
+    for token_id, step in zip(output.prompt_token_ids, output.prompt_logprobs or [], strict=True):
+        token = tokenizer.decode([token_id])
+        result.tokens.append(token)
+        result.token_logprobs.append(None if step is None else step[token_id].logprob)
+        result.top_logprobs.append(
+            None if step is None else {lp.decoded_token or "": lp.logprob for lp in step.values()}
+        )
+        result.text_offset.append(offset)
+        offset += len(token)
+    generated = completion_logprobs(c, offset)
+    result.tokens += generated.tokens
+    result.token_logprobs += generated.token_logprobs
+    result.top_logprobs += generated.top_logprobs
+    result.text_offset += generated.text_offset
     return result

@@ -12,13 +12,14 @@ names them for a warning in the log.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
 
 MAX_N = 64
 """Most samples one request may ask for."""
@@ -57,6 +58,43 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class StrictModel(BaseModel):
+    """A nested request object whose every field nanoserve implements: anything else is a 400."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class JsonSchemaFormat(StrictModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
+
+
+class StructuredOutputsRequest(StrictModel):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+LogitBiasValue = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 
 
 class OpenAIRequest(OpenAIModel):
@@ -130,6 +168,14 @@ class SamplingRequest(OpenAIRequest):
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
+    # structured outputs and hard sampling controls
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    logit_bias: dict[str, LogitBiasValue] | None = None
+    """OpenAI's: token id (as a string) -> bias."""
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     not_implemented: ClassVar[dict[str, str]] = {
         "use_beam_search": "beam search is not implemented",
@@ -142,6 +188,25 @@ class SamplingRequest(OpenAIRequest):
         "return_tokens_as_token_ids": "tokens are returned as text",
         "return_token_ids": "token ids are not returned",
     }
+
+    @model_validator(mode="after")
+    def _one_constraint_and_stream_options(self) -> SamplingRequest:
+        if (
+            self.response_format is not None
+            and self.response_format.type != "text"
+            and self.structured_outputs
+        ):
+            raise ValueError("response_format and structured_outputs cannot be used together")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is not None and not all(k.isdigit() for k in bias):
+            raise ValueError("logit_bias keys must be token ids (non-negative integers)")
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -181,12 +246,32 @@ class SamplingRequest(OpenAIRequest):
             logprobs=self.requested_logprobs(),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            prompt_logprobs=self.prompt_logprobs,
+            structured_outputs=self.structured_spec(),
         )
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        """The constraint response_format or structured_outputs asks for (ValueError when malformed)."""
+        if self.structured_outputs is not None:
+            return StructuredOutputsParams(
+                **self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
+            )
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        assert fmt.json_schema is not None
+        return StructuredOutputsParams(json=fmt.json_schema.schema_ or {"type": "object"})
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)
+    """0 (with echo) scores the prompt without generating, as lm-eval's loglikelihood requests do."""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -214,6 +299,12 @@ class CompletionRequest(SamplingRequest):
             )
         return refused
 
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is only meaningful with echo (to score the prompt)")
+        return self
+
     @field_validator("prompt")
     @classmethod
     def _non_empty_prompt(cls, prompt: Any) -> Any:
@@ -232,10 +323,52 @@ class CompletionRequest(SamplingRequest):
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.max_tokens == 0 else self.max_tokens  # the one token is generated, then dropped
+
+
+class FunctionCallMessage(OpenAIModel):
+    name: str
+    arguments: str
+    """JSON text, as OpenAI sends it."""
+
+
+class ToolCallMessage(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallMessage
+
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as HF chat templates read it: tool-call arguments as objects, not JSON text."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"tool call {call.id} has arguments that are not JSON: {e}") from e
+                calls.append(
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.function.name, "arguments": arguments},
+                    }
+                )
+            message["tool_calls"] = calls
+        return message
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -248,6 +381,27 @@ class ChatMessage(OpenAIModel):
         return "".join(parts)
 
 
+class FunctionDefinition(StrictModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -256,6 +410,12 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     """vLLM's: whether the tokenizer adds special tokens on top of those the chat template writes."""
+    continue_final_message: bool = False
+    """vLLM's: the last message stays open and the model continues it (needs add_generation_prompt false)."""
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """None: "auto" with tools, "none" without (OpenAI's default)."""
+    parallel_tool_calls: bool = True
     # no effect on what nanoserve returns, by definition
     metadata: dict[str, str] | None = None
     """Tags for stored completions; nothing is stored."""
@@ -290,7 +450,7 @@ class ChatCompletionRequest(SamplingRequest):
         "verbosity": "the served models have no verbosity control",
         "web_search_options": "web search is not implemented",
         "echo": "echoing the last message is not implemented",
-        "chat_template": "only the model's own chat template is used",
+        "chat_template": "the chat template is the server's (--chat-template), not the request's",
         "chat_template_kwargs": "the chat template takes no extra arguments",
         "documents": "documents for the chat template are not implemented",
         "mm_processor_kwargs": "the served models take text only",
@@ -304,19 +464,29 @@ class ChatCompletionRequest(SamplingRequest):
             refused["service_tier"] = "there is one service tier (auto / default)"
         return refused
 
+    @model_validator(mode="after")
+    def _consistent_chat_options(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt set to false")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        return self
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return conversation(self.messages)
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template takes them; ValueError for content it cannot take."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    return [m.to_template() for m in messages]
 
 
 class TokenizeCompletionRequest(OpenAIRequest):
@@ -331,7 +501,7 @@ class TokenizeChatRequest(OpenAIRequest):
     add_special_tokens: bool = False
     return_token_strs: bool = False
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return conversation(self.messages)
 
 
@@ -394,9 +564,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallResponse(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallResponse] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -416,9 +598,22 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -16,15 +16,19 @@ import logging
 from collections.abc import AsyncGenerator
 from typing import Annotated, Any
 
+import msgspec
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
+from nanoserve import structured_output
 from nanoserve.engine.async_llm import AsyncLLM, RequestStream
 from nanoserve.engine.exceptions import EngineDeadError
 from nanoserve.entrypoints.openai.errors import OpenAIError, engine_error, error_responses
 from nanoserve.entrypoints.openai.protocol import OpenAIRequest, SamplingRequest, UsageInfo
 from nanoserve.entrypoints.openai.streams import Deadline
 from nanoserve.outputs import CompletionOutput
+from nanoserve.sampling_params import StructuredOutputsParams
+from nanoserve.tool_parsers import ToolParser, detect_parser
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -37,11 +41,19 @@ class OpenAIServing:
         self,
         engine: AsyncLLM,
         served_model_name: str,
+        chat_template: str | None = None,
+        tool_parser: ToolParser | None = None,
         max_queued_requests: int | None = None,
         request_timeout: float | None = None,
     ) -> None:
+        """chat_template: overrides the tokenizer's. tool_parser: reads tool calls out of outputs
+        (None: the one the chat template's format calls for, if any)."""
         self.engine = engine
         self.served_model_name = served_model_name
+        self.chat_template = chat_template
+        template = chat_template or str(getattr(engine.tokenizer, "chat_template", None) or "")
+        self.renders_tools = "tools" in template
+        self.tool_parser = tool_parser or detect_parser(template)
         self.max_queued_requests = max_queued_requests
         self.request_timeout = request_timeout
         self.warned_fields: set[tuple[str, str]] = set()
@@ -108,22 +120,28 @@ class OpenAIServing:
             )
         return asked
 
-    async def start(self, request_id: str, prompt: dict[str, Any], request: SamplingRequest) -> RequestStream:
+    async def start(
+        self, request_id: str, prompt: dict[str, Any], request: SamplingRequest, **overrides: Any
+    ) -> RequestStream:
+        """overrides: SamplingParams fields a route sets beyond what the request says."""
         max_tokens = self.fit_max_tokens(request, len(prompt["prompt_token_ids"]))
+        check_constraint(request, overrides.get("structured_outputs"))
         try:
             params = request.to_sampling_params(max_tokens)
+            if overrides:
+                params = msgspec.structs.replace(params, **overrides)
             return await self.engine.add_request(request_id, prompt, params)
         except (ValueError, EngineDeadError) as e:
             raise engine_error(e) from e
 
     async def start_all(
-        self, request_id: str, prompts: list[dict[str, Any]], request: SamplingRequest
+        self, request_id: str, prompts: list[dict[str, Any]], request: SamplingRequest, **overrides: Any
     ) -> list[RequestStream]:
         """One engine request per prompt; none of them is left running if one is refused."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.start(f"{request_id}-{i}", prompt, request))
+                streams.append(await self.start(f"{request_id}-{i}", prompt, request, **overrides))
         except BaseException:
             await self.engine.abort([s.request_id for s in streams])
             raise
@@ -141,6 +159,19 @@ def generation_responses(body: type) -> dict[int | str, dict[str, Any]]:
         },
         **error_responses(400, 401, 404, 408, 413, 429, 503),
     }
+
+
+def check_constraint(request: SamplingRequest, from_tools: StructuredOutputsParams | None) -> None:
+    """A 400 naming the field when the structured output asked for is not a usable grammar."""
+    field = (
+        "tools" if from_tools else "structured_outputs" if request.structured_outputs else "response_format"
+    )
+    try:
+        spec = from_tools or request.structured_spec()
+        if spec is not None:
+            structured_output.validate(spec)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=field) from e
 
 
 def get_serving(raw_request: Request) -> OpenAIServing:

@@ -27,7 +27,10 @@ async def tokenize(request: TokenizeRequest, serving: Serving) -> TokenizeRespon
     try:
         if isinstance(request, TokenizeChatRequest):
             rendered = await engine.render_chat(
-                request.conversation(), request.add_generation_prompt, request.add_special_tokens
+                request.conversation(),
+                request.add_generation_prompt,
+                chat_template=serving.chat_template,
+                add_special_tokens=request.add_special_tokens,
             )
             ids = rendered["prompt_token_ids"]
         else:
