@@ -7,6 +7,7 @@ other way round.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -14,6 +15,8 @@ from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
+    from nanoserve.structured_output import GrammarMatcher
 
 
 class SequenceState(Protocol):
@@ -29,12 +32,22 @@ class SequenceState(Protocol):
     """Tokens whose K/V are in the cache."""
     generator: torch.Generator | None
     """The request's own random generator when it has a seed."""
+    grammar: GrammarMatcher | None
+    """Its structured-output matcher, once compiled."""
+    prompt_logprobs: list[list[tuple[int, float]]]
+    """Prompt logprobs computed so far, when the request asked for them."""
 
     @property
     def num_tokens(self) -> int: ...
 
     @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
     def num_output_tokens(self) -> int: ...
+
+    @property
+    def needs_prompt_logprobs(self) -> bool: ...
 
 
 NULL_BLOCK = -1
@@ -62,6 +75,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     """Decodes first, then prefills, in the order the runner lays out the batch."""
     preempted_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Future[torch.Tensor] | None = None
+    """Being filled while the model runs: one row per sampling chunk with a grammar, in chunk order."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -80,3 +95,5 @@ class RunnerOutput:
     sampled_token_ids: list[int]
     logprobs: list[list[tuple[int, float]] | None]
     """Per sampled token: [(sampled_id, logprob), (top_id, logprob)...], or None when not requested."""
+    prompt_logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
+    """Request id -> the prompt logprobs this step computed, continuing `SequenceState.prompt_logprobs`."""
