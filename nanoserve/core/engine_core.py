@@ -18,7 +18,8 @@ import torch
 from nanoserve.config import EngineOptions
 from nanoserve.core.request import Request, RequestStatus
 from nanoserve.core.scheduler import Scheduler
-from nanoserve.structured_output import GrammarCompiler, GrammarMatcher
+from nanoserve.structured_output.compiler import GrammarCompiler
+from nanoserve.structured_output.matcher import GrammarMatcher
 from nanoserve.wire.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,

@@ -7,7 +7,7 @@ import enum
 import torch
 
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.structured_output import GrammarMatcher
+from nanoserve.structured_output.matcher import GrammarMatcher
 from nanoserve.wire.messages import EngineCoreRequest, FinishReason
 
 

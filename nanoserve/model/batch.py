@@ -16,7 +16,7 @@ from nanoserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from nanoserve.structured_output import GrammarMatcher
+    from nanoserve.structured_output.matcher import GrammarMatcher
 
 
 class SequenceState(Protocol):

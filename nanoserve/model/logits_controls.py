@@ -11,7 +11,7 @@ import torch
 
 from nanoserve.model.batch import SequenceState
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.structured_output import apply_bitmask
+from nanoserve.structured_output.bitmask import apply_bitmask
 
 NEG_INF = float("-inf")
 

@@ -53,7 +53,8 @@ def test_server_requests_take_the_defaults_they_leave_out():
 
 
 def test_server_max_tokens_default_comes_from_the_model():
-    serving = OpenAIServing(SimpleNamespace(max_model_len=64, generation_defaults=DEFAULTS), "m")
+    engine = SimpleNamespace(max_model_len=64, generation_defaults=DEFAULTS, tokenizer=SimpleNamespace())
+    serving = OpenAIServing(engine, "m")
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
     assert serving.fit_max_tokens(chat, 10) == 5
     assert serving.fit_max_tokens(CompletionRequest(prompt="x", max_tokens=9), 10) == 9
