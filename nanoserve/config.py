@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 RUNNERS = ("model", "null")
 QUANTIZATIONS = ("none", "int4", "int8")
-CPU_KERNEL_MODES = ("auto", "off")
+CPU_KERNEL_MODES = ("auto", "unfused", "off")
 START_METHODS = ("spawn", "forkserver", "fork")
 TRANSPORTS = ("ipc", "tcp")
 DP_BACKENDS = ("mp", "ray")
@@ -56,8 +56,10 @@ class EngineOptions:
     bf16 for bigger ones; with the C++ kernels activations go to int8 too, without them int4 only
     (torch's kernel). See nanoserve.model.quant."""
     cpu_kernels: str = "auto"
-    """auto: decode attention and RMSNorm in C++ kernels compiled on first use (CPU, bfloat16/float32),
-    where they build; off: PyTorch ops only."""
+    """auto: decode attention, RMSNorm, rotary embedding and activations in C++ kernels compiled on first
+    use (CPU, bfloat16/float32) where they build, and decode steps of Llama-shaped models as one fused C++
+    call (nanoserve.model.layers.fused_decoder); unfused: the same kernels called layer by layer from
+    the PyTorch modules; off: PyTorch ops only."""
     runner: str = "model"
     """model: the real transformer. null: a model-free runner (one token per request per step) used by
     the IPC benchmark and client tests."""

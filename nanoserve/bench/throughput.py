@@ -82,14 +82,16 @@ def nanoserve_options(name: str) -> dict:
     quantizations = [s for s in suffixes if s in ("int4", "int8")]
     if (
         mode not in ("mp", "inproc")
-        or not set(suffixes) <= {"int4", "int8", "nokernels"}
+        or not set(suffixes) <= {"int4", "int8", "nokernels", "unfused"}
         or len(quantizations) > 1
+        or {"nokernels", "unfused"} <= set(suffixes)
     ):
         raise ValueError(f"unknown engine {name!r}")
+    kernels = "off" if "nokernels" in suffixes else "unfused" if "unfused" in suffixes else "auto"
     return {
         "multiprocess_mode": mode == "mp",
         "quantization": quantizations[0] if quantizations else "none",
-        "cpu_kernels": "off" if "nokernels" in suffixes else "auto",
+        "cpu_kernels": kernels,
     }
 
 
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         default="mp,transformers",
         help="comma-separated, first is the reference for ratios: mp (engine core in a child process) or "
         "inproc (same process), each optionally followed by -int4 or -int8 (--quantization) and/or "
-        "-nokernels (--cpu-kernels off), e.g. mp-int4; and transformers",
+        "-nokernels (--cpu-kernels off) or -unfused (--cpu-kernels unfused), e.g. mp-int4; and transformers",
     )
     parser.add_argument("--profile", action="store_true", help="write a torch profiler trace of a decode run")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw tok/s against batch size")
@@ -166,10 +168,12 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.profile and llms:
         llm = next(iter(llms.values()))
+        engine = llm.llm_engine
+        assert engine is not None
         prompts = make_prompts(tokenizer, batch_sizes[-1], args.prompt_len)
-        llm.llm_engine.engine_core.profile(True)
+        engine.engine_core.profile(True)
         time_nanoserve(llm, prompts, 16)
-        llm.llm_engine.engine_core.profile(False)
+        engine.engine_core.profile(False)
         print("profiler trace written under NANOSERVE_TORCH_PROFILER_DIR (default ./profiles)")
     for llm in llms.values():
         llm.shutdown()

@@ -59,7 +59,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--cpu-kernels",
         choices=CPU_KERNEL_MODES,
         default=None,
-        help="auto: C++ decode attention and RMSNorm on CPU where they build; off: PyTorch ops only",
+        help="auto: C++ kernels on CPU where they build, decode steps of Llama-shaped models fused into one "
+        "C++ call; unfused: the same kernels called from the PyTorch modules; off: PyTorch ops only",
     )
     group.add_argument("--runner", choices=RUNNERS, default=None)
     group.add_argument(

@@ -92,6 +92,13 @@ class AttentionMetadata:
     """The C++ CPU kernels (nanoserve.model.kernels): rotary embedding with the cache write, and decode
     attention reading K/V in place; None: PyTorch ops (index_copy_, gather + bmm)."""
 
+    @property
+    def decode_only(self) -> AttentionGroup | None:
+        """The one group of a step where every sequence decodes one token, in batch order; else None."""
+        if len(self.groups) == 1 and self.groups[0].is_decode and self.groups[0].out_index is None:
+            return self.groups[0]
+        return None
+
 
 def build_attention_metadata(
     query_lens: np.ndarray,

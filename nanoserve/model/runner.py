@@ -59,7 +59,7 @@ class ModelRunner:
         self.sliding_window = self.config.kv_window
         """KV blocks that fall behind it are freed (None: some layer reads the whole context)."""
         self.kernels = None
-        if options.cpu_kernels == "auto" and self.device.type == "cpu" and self.dtype != torch.float16:
+        if options.cpu_kernels != "off" and self.device.type == "cpu" and self.dtype != torch.float16:
             self.kernels = cpu_kernels()
         start = time.perf_counter()
         self.model: CausalLM | None = self._load()
@@ -76,7 +76,7 @@ class ModelRunner:
             self.model_path, self.config, self.dtype, self.device, self.options.quantization, self.kernels
         )
         if self.kernels is not None:
-            model.use_cpu_kernels(self.kernels)
+            model.use_cpu_kernels(self.kernels, fused_decode=self.options.cpu_kernels == "auto")
         return model
 
     def _loaded(self) -> CausalLM:

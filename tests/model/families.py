@@ -1,7 +1,7 @@
 """Tiny random-weight models of every family, built with transformers and saved as HF folders.
 
 Each shape exercises what makes its family different: GQA and MHA, tied and untied embeddings, head_dim
-unlike hidden / heads, sliding windows shorter than the prompts, soft-capping, LongRoPE in both regimes,
+unlike hidden / heads, q/k/v biases, sliding windows shorter than the prompts (on every layer or some), soft-capping, LongRoPE in both regimes,
 partial rotation, experts with and without a shared one, dense layers among sparse ones.
 """
 
@@ -44,6 +44,11 @@ BASE = dict(
 SHAPES: dict[str, tuple[str, dict]] = {
     # Mistral: every layer slides, over fewer positions than most prompts
     "mistral-window": ("Mistral", dict(sliding_window=12, tie_word_embeddings=False)),
+    # Qwen2: q/k/v biases, a window on the layers from max_window_layers on (layer 1 of 2)
+    "qwen2-window": (
+        "Qwen2",
+        dict(use_sliding_window=True, sliding_window=12, max_window_layers=1, tie_word_embeddings=True),
+    ),
     # Qwen3: q/k norms, head_dim 32 though hidden / heads is 16
     "qwen3-gqa-tied": ("Qwen3", dict(head_dim=32, tie_word_embeddings=True)),
     "qwen3-mha-untied": ("Qwen3", dict(num_key_value_heads=4, head_dim=16, tie_word_embeddings=False)),

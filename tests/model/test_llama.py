@@ -42,6 +42,7 @@ def kernels(request, models):
     yield module
     for norm in ours.modules():
         norm.__dict__.pop("kernel", None)
+    ours.fused_decoder = None
 
 
 def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:

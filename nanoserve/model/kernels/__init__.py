@@ -22,7 +22,8 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "quant_matmul.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "quant_matmul.cpp", "fused_decoder.cpp")]
+HEADERS = [Path(__file__).with_name("kernels.h")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 """-ffast-math lets the compiler vectorize the float reductions (sums in any order)."""
 
@@ -48,7 +49,7 @@ def library_name(cpu: str) -> str:
     """Where a build lives: one per source, flags, torch version and CPU."""
     import torch
 
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS))
     digest.update(" ".join(FLAGS).encode() + torch.__version__.encode() + cpu.encode())
     return f"nanoserve_cpu_kernels_{digest.hexdigest()[:12]}"
 

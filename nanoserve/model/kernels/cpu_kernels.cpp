@@ -16,8 +16,12 @@
 // silu_and_mul, gelu_tanh_and_mul: act(gate) * up over the fused gate/up projection, one pass instead of
 // three ops.
 //
+// add_rms_norm: the residual add and the next norm in one pass (the fused decode step's).
+//
 // quant_matmul (quant_matmul.cpp): group-quantized weights times int8-quantized activations, for decode.
-#include <torch/extension.h>
+// FusedDecoder (fused_decoder.cpp): a whole decode step of the Llama-shaped families, kernel after kernel.
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -297,6 +301,33 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 namespace {
 
 template <typename T>
+void add_elements(const T* a, const T* b, T* out, int64_t n) {
+  at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) out[i] = static_cast<T>(to_float(a[i]) + to_float(b[i]));
+  });
+}
+
+}  // namespace
+
+// x + delta rounded to x's dtype (as torch's add rounds it), and rms_norm of that sum: the residual add
+// and the next norm of the module path, in one call.
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight,
+                                                      double eps) {
+  TORCH_CHECK(x.sizes() == delta.sizes() && x.scalar_type() == delta.scalar_type());
+  auto a = x.contiguous(), b = delta.contiguous();
+  auto sum = torch::empty_like(a);
+  if (a.scalar_type() == torch::kBFloat16) {
+    add_elements(a.data_ptr<at::BFloat16>(), b.data_ptr<at::BFloat16>(), sum.data_ptr<at::BFloat16>(), a.numel());
+  } else {
+    TORCH_CHECK(a.scalar_type() == torch::kFloat32, "bfloat16 or float32 only");
+    add_elements(a.data_ptr<float>(), b.data_ptr<float>(), sum.data_ptr<float>(), a.numel());
+  }
+  return {sum, rms_norm(sum, weight, eps)};
+}
+
+namespace {
+
+template <typename T>
 void rope_rows(const T* qkv, const T* cos_sin, T* q_out, T* cache, const int64_t* slots, int64_t num_tokens,
                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head) {
   const int64_t half = head_dim / 2, row = (num_heads + 2 * num_kv_heads) * head_dim;
@@ -388,15 +419,14 @@ torch::Tensor act_and_mul(torch::Tensor x) {
 torch::Tensor silu_and_mul(torch::Tensor x) { return act_and_mul<silu>(x); }
 torch::Tensor gelu_tanh_and_mul(torch::Tensor x) { return act_and_mul<gelu_tanh>(x); }
 
-bool quant_matmul_supported();
-torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits);
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm", &add_rms_norm);
   m.def("quant_matmul_supported", &quant_matmul_supported);
   m.def("quant_matmul", &quant_matmul);
+  register_fused_decoder(m);
 }

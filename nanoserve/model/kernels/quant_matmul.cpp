@@ -14,7 +14,8 @@
 //   4 bits: [N / 16, K / 32, 4, 16 columns, 4 inputs], quad q in the low nibbles and quad q + 4 in the high
 //   8 bits: [N / 16, K / 32, 8, 16 columns, 4 inputs]
 //   scales: bfloat16 [N / 16, K / 32, 2, 16 columns] (scale, then low)
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>

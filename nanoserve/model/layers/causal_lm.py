@@ -3,12 +3,14 @@ family does), one rotary table looked up once per step (two for Gemma 3's local 
 layers over the paged KV cache, the final norm and the logits (soft-capped where the family does).
 
 It also owns what the engine does to any model after loading: pre-packing matmul weights for oneDNN,
-switching on the C++ kernels, quantizing. A family subclasses it and builds `self.layers`.
+switching on the C++ kernels (and, for Llama-shaped layers, the fused decode step), quantizing. A family
+subclasses it and builds `self.layers`.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,7 @@ from torch import Tensor, nn
 
 from nanoserve.model.attention import AttentionMetadata
 from nanoserve.model.config import ModelConfig
+from nanoserve.model.layers.fused_decoder import build_fused_decoder, fusable_layers
 from nanoserve.model.layers.linear import Linear, pack_weight, packed_linear
 from nanoserve.model.layers.mlp import GatedMLP
 from nanoserve.model.layers.norm import RMSNorm
@@ -43,6 +46,8 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.packed_embed: Tensor | None = None  # the tied lm_head packed for oneDNN, see prepack_for_cpu
         self.quantized_lm_head: QuantizedWeight | None = None  # see quantize
+        self.fused_decoder: Any = None
+        """kernels.FusedDecoder: the layers of decode-only steps in one C++ call (see use_cpu_kernels)."""
         self.lm_head = (
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
@@ -55,6 +60,11 @@ class CausalLM(nn.Module):
         if self.config.embed_scale is not None:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
         cos_sin = self.rotary(positions, x.dtype)
+        decode = attn.decode_only
+        if self.fused_decoder is not None and decode is not None:
+            return self.fused_decoder.forward(
+                x, cos_sin, kv_caches, attn.slot_mapping, decode.block_table, decode.seq_lens
+            )
         local_cos_sin = cos_sin if self.local_rotary is None else self.local_rotary(positions, x.dtype)
         for layer, kv_cache, is_local in zip(self.layers, kv_caches, self.is_local, strict=True):
             x = layer(x, local_cos_sin if is_local else cos_sin, kv_cache, attn)
@@ -86,14 +96,19 @@ class CausalLM(nn.Module):
         if self.lm_head is None:
             self.packed_embed = pack_weight(self.embed_tokens.weight)
 
-    def use_cpu_kernels(self, kernels: ModuleType) -> None:
-        """RMSNorm and the MLP's activation in C++; attention takes its kernels from AttentionMetadata."""
+    def use_cpu_kernels(self, kernels: ModuleType, fused_decode: bool = True) -> None:
+        """RMSNorm and the MLP's activation in C++; attention takes its kernels from AttentionMetadata.
+        With fused_decode, decode-only steps of Llama-shaped layers run as one C++ call (after quantize:
+        it holds the matmuls' weights as they are then)."""
         activations = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul}
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = kernels.rms_norm
             elif isinstance(module, GatedMLP):
                 module.kernel = activations[module.activation]
+        layers = fusable_layers(list(self.layers), self.local_rotary is not None)
+        if fused_decode and layers is not None:
+            self.fused_decoder = build_fused_decoder(layers, self.norm.weight, kernels)
 
     def quantize(self, method: str, kernels: ModuleType | None) -> None:
         """Add quantized copies of the matmul weights for small steps (see nanoserve.model.quant): the

@@ -1,0 +1,88 @@
+"""The decoder layers of a decode step in one C++ call (nanoserve/model/kernels/fused_decoder.cpp).
+
+A decode step of a small model runs about eleven kernels per layer, each with little work: at batch 1
+the interpreter, the nn.Module calls and the Python bindings between them took as long as the quantized
+matmuls. The fused decoder calls the same kernels, with the same per-step-size matmul choice, one after
+another in C++, so its output is the module path's bit for bit.
+
+It serves models whose every layer is the plain Llama shape (DecoderLayer with a GatedMLP, rotation over
+whole heads, one rotary table): Llama, Mistral, Qwen2, Qwen3, Phi-3. The module path stays the reference
+and the fallback: prefill and mixed steps, the other families (Gemma's extra norms, experts, partial
+rotation) and machines without the C++ kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+from torch import Tensor, nn
+
+from nanoserve.model.layers.decoder import DecoderLayer
+from nanoserve.model.layers.linear import Linear
+from nanoserve.model.layers.mlp import GatedMLP
+from nanoserve.model.quant import GroupQuantWeight, TorchInt4Weight
+
+
+def fusable_layers(layers: Sequence[nn.Module], has_local_rotary: bool) -> list[DecoderLayer] | None:
+    """The layers, when every one is the plain Llama shape; else None."""
+    plain = [
+        layer
+        for layer in layers
+        if type(layer) is DecoderLayer
+        and isinstance(layer.mlp, GatedMLP)
+        and layer.self_attn.rotary_dim == layer.self_attn.head_dim
+    ]
+    return None if has_local_rotary or len(plain) != len(layers) else plain
+
+
+def fused_matmul(kernels: ModuleType, linear: Linear) -> Any:
+    """The C++ twin of `linear`, holding the same tensors and the same step-size limit."""
+    matmul = kernels.FusedMatmul()
+    matmul.weight, matmul.packed, matmul.bias = linear.weight, linear.packed, linear.bias
+    quantized = linear.quantized
+    if isinstance(quantized, GroupQuantWeight):
+        matmul.quantized, matmul.codes, matmul.scales = "groups", quantized.codes, quantized.scales
+        matmul.bits = quantized.bits
+    elif isinstance(quantized, TorchInt4Weight):
+        matmul.quantized, matmul.codes, matmul.scales = (
+            "torch_int4",
+            quantized.packed,
+            quantized.scales_and_zeros,
+        )
+    if quantized is not None:
+        matmul.max_tokens = quantized.max_tokens
+    return matmul
+
+
+def build_fused_decoder(layers: list[DecoderLayer], final_norm_weight: Tensor, kernels: ModuleType) -> Any:
+    """A kernels.FusedDecoder over `layers` (see fusable_layers) and the final norm."""
+    fused = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert isinstance(mlp, GatedMLP)
+        spec = kernels.FusedLayer()
+        spec.input_norm = layer.input_layernorm.weight
+        spec.post_attention_norm = layer.post_attention_layernorm.weight
+        if attn.q_norm is not None and attn.k_norm is not None:
+            spec.q_norm, spec.k_norm = attn.q_norm.weight, attn.k_norm.weight
+        spec.qkv, spec.o_proj = fused_matmul(kernels, attn.qkv_proj), fused_matmul(kernels, attn.o_proj)
+        spec.gate_up, spec.down = (
+            fused_matmul(kernels, mlp.gate_up_proj),
+            fused_matmul(kernels, mlp.down_proj),
+        )
+        spec.activation = mlp.activation
+        spec.window = attn.window or 0
+        fused.append(spec)
+    first = layers[0].self_attn
+    return kernels.FusedDecoder(
+        fused,
+        final_norm_weight,
+        first.num_heads,
+        first.num_kv_heads,
+        first.head_dim,
+        layers[0].input_layernorm.eps,
+        first.scale,
+        first.softcap or 0.0,
+    )

@@ -1,0 +1,118 @@
+"""The fused decode step (nanoserve/model/layers/fused_decoder.py) against the module path it replaces.
+
+Greedy ids must be the module path's token for token (the fused step runs the same kernels in the same
+order, so it is exact, bf16 included) on every Llama-shaped family of tests/model/families.py, in float32
+and bfloat16, unquantized and int4, at batch 1 and in batches, under chunked prefill and preemption and
+with prefix-cache hits; and on the bundled model. In float32 both also match transformers
+(tests/model/test_families.py runs the engine, fused path included, against it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from families import SHAPES, VOCAB, build_family
+
+from nanoserve.core.engine_core import EngineCore
+from nanoserve.model.kernels import cpu_kernels
+from nanoserve.model.loader import load_model_config
+from tests.core.engine_steps import request, run_to_completion, tiny_engine
+
+FUSED_SHAPES = (
+    "mistral-window",
+    "qwen2-window",
+    "qwen3-gqa-tied",
+    "qwen3-mha-untied",
+    "phi3-window-short",
+    "phi3-longrope-long",
+)
+"""Every shape whose layers are the plain Llama shape; the others keep the module path."""
+LENGTHS = (17, 40, 28, 21, 33, 19, 25, 18)
+"""Longer than the windows and than LongRoPE's pretraining length (tests/model/families.py)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_kernels():
+    if cpu_kernels() is None:
+        pytest.skip("the C++ kernels cannot be built on this machine")
+
+
+@pytest.fixture(scope="module", params=FUSED_SHAPES)
+def fused_dir(request, tmp_path_factory):
+    return build_family(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _prompts(num: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB, LENGTHS[i % len(LENGTHS)]).tolist() for i in range(num)]
+
+
+def _greedy(engine: EngineCore, prompts: list[list[int]], prefix: str) -> tuple[list[list[int]], list[int]]:
+    """Greedy ids and prompt tokens served from the prefix cache, per prompt."""
+    for i, p in enumerate(prompts):
+        engine.add_request(request(f"{prefix}{i}", p, max_tokens=12))
+    results = run_to_completion(engine)
+    return [results[f"{prefix}{i}"][0] for i in range(len(prompts))], [
+        results[f"{prefix}{i}"][3] for i in range(len(prompts))
+    ]
+
+
+def _engine(model_dir, cpu_kernels: str, **options) -> EngineCore:
+    engine = tiny_engine(model_dir, cpu_kernels=cpu_kernels, **options)
+    model = engine.runner.model
+    assert model is not None and (model.fused_decoder is not None) == (cpu_kernels == "auto")
+    return engine
+
+
+@pytest.mark.parametrize(
+    "dtype, quantization", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4")]
+)
+def test_fused_decode_gives_the_module_paths_ids(fused_dir, dtype, quantization):
+    prompts = _prompts(12, seed=2)
+    followers = [p[:16] + [101, 102, 103] for p in prompts[:4]]
+    # a window over every layer frees the blocks behind it: fewer blocks run out as soon
+    blocks = 16 if load_model_config(str(fused_dir)).kv_window is None else 8
+    results = {}
+    for mode in ("auto", "unfused"):
+        options = dict(dtype=dtype, quantization=quantization)
+        # 7 tokens a step in too few blocks of 4: chunked prefill beside decodes, and preemption
+        crowded = _engine(fused_dir, mode, max_num_batched_tokens=7, num_kv_blocks=blocks, **options)
+        ids, _ = _greedy(crowded, prompts, "p")
+        assert crowded.scheduler.num_preemptions > 0
+        roomy = _engine(fused_dir, mode, **options)
+        alone, _ = _greedy(roomy, prompts[:1], "one")  # batch 1
+        _greedy(roomy, prompts[:4], "a")
+        hits, cached = _greedy(roomy, followers, "f")
+        assert cached == [16] * len(followers), "4 shared blocks from the prefix cache"
+        results[mode] = (ids, alone, hits)
+    assert results["auto"] == results["unfused"]
+
+
+@pytest.mark.parametrize("shape", sorted(set(SHAPES) - set(FUSED_SHAPES)))
+def test_other_shapes_keep_the_module_path(shape, tmp_path):
+    engine = tiny_engine(build_family(shape, tmp_path / shape))
+    assert engine.runner.model is not None and engine.runner.model.fused_decoder is None
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4", "int8"])
+def test_fused_decode_on_the_bundled_model(bundled_gguf_path, quantization):
+    from nanoserve.config import EngineOptions
+
+    prompts = [list(range(100 + 7 * i, 120 + 9 * i)) for i in range(4)]
+    ids = {}
+    for mode in ("auto", "unfused"):
+        options = EngineOptions(
+            model=bundled_gguf_path,
+            dtype="bfloat16",
+            quantization=quantization,
+            cpu_kernels=mode,
+            num_kv_blocks=64,
+        )
+        engine = EngineCore(options)
+        assert engine.runner.model is not None
+        assert (engine.runner.model.fused_decoder is not None) == (mode == "auto")
+        ids[mode] = _greedy(engine, prompts, "b")[0] + _greedy(engine, prompts[:1], "one")[0]
+        engine.shutdown()
+    assert ids["auto"] == ids["unfused"]
+    assert torch.tensor(ids["auto"][0]).unique().numel() > 1, "a real continuation, not one repeated token"
