@@ -14,6 +14,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 RUNNERS = ("model", "null")
 QUANTIZATIONS = ("none", "int4", "int8")
 CPU_KERNEL_MODES = ("auto", "unfused", "off")
+MATMUL_CHOICES = ("auto", "fixed")
 START_METHODS = ("spawn", "forkserver", "fork")
 TRANSPORTS = ("ipc", "tcp")
 DP_BACKENDS = ("mp", "ray")
@@ -60,6 +61,11 @@ class EngineOptions:
     use (CPU, bfloat16/float32) where they build, and decode steps of Llama-shaped models as one fused C++
     call (nanoserve.model.layers.fused_decoder); unfused: the same kernels called layer by layer from
     the PyTorch modules; off: PyTorch ops only."""
+    matmul_choice: str = "auto"
+    """With quantization: auto measures, once per CPU and weight shape (cached beside the kernel builds),
+    the step sizes up to which each quantized matmul beats the unquantized one and uses it there; fixed:
+    the quantized kernel at every step size (quant_matmul; torch's int4 kernel up to 16 tokens) and the
+    8-bit lm_head up to 4 rows. See nanoserve.model.matmul_choice."""
     runner: str = "model"
     """model: the real transformer. null: a model-free runner (one token per request per step) used by
     the IPC benchmark and client tests."""
@@ -89,6 +95,8 @@ class EngineOptions:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}.")
         if self.cpu_kernels not in CPU_KERNEL_MODES:
             raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_MODES}, got {self.cpu_kernels!r}.")
+        if self.matmul_choice not in MATMUL_CHOICES:
+            raise ValueError(f"matmul_choice must be one of {MATMUL_CHOICES}, got {self.matmul_choice!r}.")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}.")
         if self.engine_start_method not in START_METHODS:

@@ -11,7 +11,15 @@ import argparse
 import importlib
 import sys
 
-from nanoserve.config import CPU_KERNEL_MODES, DP_BACKENDS, DTYPES, QUANTIZATIONS, RUNNERS, EngineOptions
+from nanoserve.config import (
+    CPU_KERNEL_MODES,
+    DP_BACKENDS,
+    DTYPES,
+    MATMUL_CHOICES,
+    QUANTIZATIONS,
+    RUNNERS,
+    EngineOptions,
+)
 
 SUBCOMMANDS: dict[str, str] = {
     "generate": "nanoserve.entrypoints.cli",
@@ -61,6 +69,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="auto: C++ kernels on CPU where they build, decode steps of Llama-shaped models fused into one "
         "C++ call; unfused: the same kernels called from the PyTorch modules; off: PyTorch ops only",
+    )
+    group.add_argument(
+        "--matmul-choice",
+        choices=MATMUL_CHOICES,
+        default=None,
+        help="with --quantization: auto measures per CPU (cached) up to which step size each quantized "
+        "matmul beats bf16; fixed: quantized at every step size",
     )
     group.add_argument("--runner", choices=RUNNERS, default=None)
     group.add_argument(

@@ -39,8 +39,10 @@ def load_model(
     device: torch.device,
     quantization: str = "none",
     kernels: ModuleType | None = None,
+    matmul_choice: str = "fixed",
 ) -> CausalLM:
-    """kernels: the C++ CPU kernels (nanoserve.model.kernels), for the quantized formats they run."""
+    """kernels: the C++ CPU kernels (nanoserve.model.kernels), for the quantized formats they run;
+    matmul_choice: see nanoserve.model.matmul_choice."""
     error = quantization_error(quantization, device, kernels)
     if error:
         raise ValueError(error)
@@ -68,7 +70,7 @@ def load_model(
     if cpu_prepack_supported(dtype, device):
         model.prepack_for_cpu()
     if quantization != "none":
-        model.quantize(quantization, kernels)
+        model.quantize(quantization, kernels, matmul_choice)
     return model
 
 

@@ -2,8 +2,9 @@
 
 Decoding a few sequences reads every weight once per step for very little arithmetic, so its speed is
 set by weight bytes and by the instructions it takes to use them. A quantized layer keeps its bf16
-weight too, for the steps where its kernel is slower than oneDNN's bf16 matmul (torch's int4 kernel
-beyond 16 tokens, the 8-bit lm_head beyond 4 rows), and picks per step by token count.
+weight too, for the steps where its kernel is slower than oneDNN's bf16 matmul, and picks per step by
+token count: up to `max_tokens`, measured per CPU and shape (nanoserve.model.matmul_choice) or, with the
+fixed choice, the limits below.
 
 Both formats take groups of 32 inputs with a scale and an offset each, the format of llama.cpp's Q4_1:
 the bundled Q4_1 model requantizes to the values it was shipped with, up to the bf16 rounding of the
@@ -20,15 +21,16 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import torch
 from torch import Tensor
 
 GROUP_SIZE = 32
 QUANT_MATMUL_MAX_TOKENS = sys.maxsize
-"""quant_matmul serves steps of every size: measured over all 30 layers of SmolLM2-135M on a 2-core
-AVX-512 machine, int4 takes 0.2x bf16's time at 1 token, 0.4x at 8, 0.7x at 32, 0.8x at 512."""
+"""The fixed choice: quant_matmul serves steps of every size (measured over all 30 layers of SmolLM2-135M
+on a 2-core AVX-512 Zen without AMX, int4 takes 0.2x bf16's time at 1 token, 0.4x at 8, 0.7x at 32,
+0.8x at 512; on AMX, bf16 wins large steps: measure there)."""
 LM_HEAD_QUANT_MAX_ROWS = 4
 """Rows of logits up to which the 8-bit lm_head is used (49152 x 576, same machine: 2.6x faster than bf16
 at 1 row, 1.4x at 4, about even at 8, 0.7x at 32)."""
@@ -77,7 +79,7 @@ class TorchInt4Weight:
         )
 
 
-def fast_kernels(kernels: ModuleType | None) -> bool:
+def fast_kernels(kernels: ModuleType | None) -> TypeGuard[ModuleType]:
     """Whether the C++ kernels are built here with quant_matmul's vector instructions."""
     return kernels is not None and kernels.quant_matmul_supported()
 

@@ -72,11 +72,18 @@ class ModelRunner:
         self._offloaded: dict[str, torch.Tensor] | None = None
 
     def _load(self) -> CausalLM:
+        options = self.options
         model = load_model(
-            self.model_path, self.config, self.dtype, self.device, self.options.quantization, self.kernels
+            self.model_path,
+            self.config,
+            self.dtype,
+            self.device,
+            options.quantization,
+            self.kernels,
+            options.matmul_choice,
         )
         if self.kernels is not None:
-            model.use_cpu_kernels(self.kernels, fused_decode=self.options.cpu_kernels == "auto")
+            model.use_cpu_kernels(self.kernels, fused_decode=options.cpu_kernels == "auto")
         return model
 
     def _loaded(self) -> CausalLM:

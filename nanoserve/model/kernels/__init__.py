@@ -22,13 +22,15 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "quant_matmul.cpp", "fused_decoder.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "quant_matmul.cpp", "fused_decoder.cpp")
+]
 HEADERS = [Path(__file__).with_name("kernels.h")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 """-ffast-math lets the compiler vectorize the float reductions (sums in any order)."""
 
 
-def _build_dir() -> Path:
+def build_dir() -> Path:
     return Path(os.environ.get("NANOSERVE_KERNEL_DIR") or Path.home() / ".cache" / "nanoserve" / "kernels")
 
 
@@ -63,8 +65,8 @@ def cpu_kernels() -> ModuleType | None:
     and `quant_matmul(x, codes, scales, bits)` where `quant_matmul_supported()` (see
     nanoserve.model.quant); None when it cannot be built here."""
     name = library_name(cpu_identity())
-    build_dir = _build_dir() / name
-    library = build_dir / f"{name}.so"
+    folder = build_dir() / name
+    library = folder / f"{name}.so"
     try:
         spec = importlib.util.spec_from_file_location(name, library) if library.is_file() else None
         if spec is not None and spec.loader is not None:
@@ -73,14 +75,14 @@ def cpu_kernels() -> ModuleType | None:
             return module
         from torch.utils.cpp_extension import load
 
-        build_dir.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
         logger.info("building the C++ CPU kernels (once, about half a minute)")
         return load(
             name,
             [str(source) for source in SOURCES],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
+            build_directory=str(folder),
         )
     except Exception as e:  # a missing compiler or headers: fall back, loudly once
         logger.warning("the C++ CPU kernels could not be built (%s); using PyTorch ops", e)

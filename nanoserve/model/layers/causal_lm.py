@@ -9,6 +9,7 @@ subclasses it and builds `self.layers`.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any
 
@@ -23,6 +24,13 @@ from nanoserve.model.layers.linear import Linear, pack_weight, packed_linear
 from nanoserve.model.layers.mlp import GatedMLP
 from nanoserve.model.layers.norm import RMSNorm
 from nanoserve.model.layers.rotary import RotaryEmbedding
+from nanoserve.model.matmul_choice import (
+    LM_HEAD_STEP_SIZES,
+    STEP_SIZES,
+    WeightShape,
+    choose_max_tokens,
+    shape_key,
+)
 from nanoserve.model.quant import LM_HEAD_QUANT_MAX_ROWS, QuantizedWeight, fast_kernels, quantize_weight
 
 
@@ -80,6 +88,9 @@ class CausalLM(nn.Module):
         head = self.quantized_lm_head
         if head is not None and hidden.shape[0] <= head.max_tokens:
             return head.matmul(hidden)
+        return self._unquantized_lm_head(hidden)
+
+    def _unquantized_lm_head(self, hidden: Tensor) -> Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden)
         if self.packed_embed is not None:
@@ -110,10 +121,11 @@ class CausalLM(nn.Module):
         if fused_decode and layers is not None:
             self.fused_decoder = build_fused_decoder(layers, self.norm.weight, kernels)
 
-    def quantize(self, method: str, kernels: ModuleType | None) -> None:
-        """Add quantized copies of the matmul weights for small steps (see nanoserve.model.quant): the
-        decoder layers' (experts' included) in 4 or 8 bits; the lm_head's, the largest single weight of a
-        small model, in 8 bits, and only with the C++ kernel (4 bits there raised perplexity by 8%)."""
+    def quantize(self, method: str, kernels: ModuleType | None, matmul_choice: str = "fixed") -> None:
+        """Add quantized copies of the matmul weights (see nanoserve.model.quant): the decoder layers'
+        (experts' included) in 4 or 8 bits; the lm_head's, the largest single weight of a small model, in
+        8 bits, and only with the C++ kernel (4 bits there raised perplexity by 8%). matmul_choice: how
+        each weight's largest quantized step is set (nanoserve.model.matmul_choice)."""
         bits = {"int4": 4, "int8": 8}[method]
         for layer in self.layers:
             for module in layer.modules():
@@ -124,3 +136,25 @@ class CausalLM(nn.Module):
             self.quantized_lm_head = quantize_weight(head, 8, kernels)
             if self.quantized_lm_head is not None:
                 self.quantized_lm_head.max_tokens = LM_HEAD_QUANT_MAX_ROWS
+        if matmul_choice == "auto":
+            choose_max_tokens(self._weight_shapes())
+
+    def _weight_shapes(self) -> list[WeightShape]:
+        """The quantized weights grouped by shape, each beside its unquantized matmul (bias left out)."""
+        dtype = self.embed_tokens.weight.dtype
+        shapes: dict[str, WeightShape] = {}
+
+        def add(role: str, quantized: QuantizedWeight, weight: Tensor, unquantized, step_sizes) -> None:
+            key = shape_key(role, quantized, (weight.shape[0], weight.shape[1]), dtype)
+            shape = shapes.setdefault(key, WeightShape(key, [], [], weight.shape[1], dtype, step_sizes))
+            shape.quantized.append(quantized)
+            shape.unquantized.append(unquantized)
+
+        for module in self.layers.modules():
+            if isinstance(module, Linear) and module.quantized is not None:
+                unquantized = functools.partial(module.unquantized, with_bias=False)
+                add("linear", module.quantized, module.weight, unquantized, STEP_SIZES)
+        if self.quantized_lm_head is not None:
+            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            add("lm_head", self.quantized_lm_head, head, self._unquantized_lm_head, LM_HEAD_STEP_SIZES)
+        return list(shapes.values())

@@ -46,6 +46,10 @@ class Linear(nn.Linear):
         if self.quantized is not None and input.shape[0] <= self.quantized.max_tokens:
             out = self.quantized.matmul(input)
             return out if self.bias is None else out + self.bias
+        return self.unquantized(input)
+
+    def unquantized(self, input: Tensor, with_bias: bool = True) -> Tensor:
+        bias = self.bias if with_bias else None
         if self.packed is not None:
-            return packed_linear(input, self.packed, self.bias)
-        return F.linear(input, self.weight, self.bias)
+            return packed_linear(input, self.packed, bias)
+        return F.linear(input, self.weight, bias)

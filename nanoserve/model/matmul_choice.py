@@ -1,0 +1,148 @@
+"""Which matmul serves a step of each size: a weight's quantized kernel or the unquantized one (oneDNN's
+bf16 matmul over the pre-packed weight, on AMX tiles where the CPU has them).
+
+A decode step reads every weight for little arithmetic, so a 4- or 8-bit kernel wins by reading fewer
+bytes; a long prefill is compute-bound, and there the winner depends on the CPU: on an AVX-512 Zen
+without AMX, quant_matmul's VNNI dot products beat oneDNN's bf16 at every size measured, while AMX's bf16
+tiles beat them from some step size up. So each quantized weight carries `max_tokens`, the largest step
+it serves, and with matmul_choice "auto" that limit is measured when the engine starts: for each weight
+shape, both kernels' times over step sizes of 1 to 512 rows (the lm_head: up to 64 rows of logits). They
+are timed on one thread, interleaved, best of several: with two threads, the other processes of a shared
+machine stretched single passes by 2-6x (a thread descheduled mid-barrier), which no statistic over a
+few passes undid, while the ratio itself barely depends on the thread count (both kernels split the
+same columns). The limits are cached in matmul_choice.json beside the kernel builds, keyed by the kernel
+build (source, flags, torch version, CPU model and flags), dtype and shape, so later starts on the same
+machine read them. "fixed" keeps the built-in limits of nanoserve.model.quant.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from nanoserve.model.kernels import build_dir, cpu_identity, library_name
+from nanoserve.model.quant import GroupQuantWeight, QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+STEP_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+LM_HEAD_STEP_SIZES = STEP_SIZES[:7]
+"""Rows of logits are one per sampled sequence; at 64 the 8-bit head was 2x slower than bf16 here."""
+PASSES = 5
+SMALL_STEP = 16
+WEIGHTS_PER_PASS = 4
+"""Steps of up to SMALL_STEP rows are bound by weight bytes: their passes run over up to this many weights
+of the shape, so that a small one is not timed from the cache alone."""
+
+
+@dataclass
+class WeightShape:
+    """The quantized weights of one shape, each beside its unquantized matmul."""
+
+    key: str
+    quantized: list[QuantizedWeight]
+    unquantized: list[Callable[[Tensor], Tensor]]
+    in_features: int
+    dtype: torch.dtype
+    step_sizes: Sequence[int]
+
+
+def cache_file() -> Path:
+    return build_dir() / "matmul_choice.json"
+
+
+def shape_key(role: str, quantized: QuantizedWeight, shape: tuple[int, int], dtype: torch.dtype) -> str:
+    kind = f"int{quantized.bits}" if isinstance(quantized, GroupQuantWeight) else type(quantized).__name__
+    return f"{library_name(cpu_identity())} {dtype} {role} {kind} {shape[0]}x{shape[1]}"
+
+
+def max_tokens_from_ratios(ratios: dict[int, float]) -> int:
+    """The largest step size the quantized kernel serves: every size below the one from which the
+    unquantized matmul stays faster (quantized time / unquantized > 1 there and at every larger size)."""
+    sizes = sorted(ratios)
+    first_slower = len(sizes)
+    while first_slower > 0 and ratios[sizes[first_slower - 1]] > 1.0:
+        first_slower -= 1
+    if first_slower == len(sizes):
+        return sys.maxsize
+    return sizes[first_slower - 1] if first_slower > 0 else 0
+
+
+def _time(fns: Sequence[Callable[[Tensor], Tensor]], x: Tensor) -> float:
+    start = time.perf_counter()
+    for fn in fns:
+        fn(x)
+    return time.perf_counter() - start
+
+
+def measure_ratios(shape: WeightShape) -> dict[int, float]:
+    """Step size -> quantized time / unquantized time, each the best of PASSES interleaved passes."""
+    ratios = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for size in shape.step_sizes:
+                count = WEIGHTS_PER_PASS if size <= SMALL_STEP else 1
+                quantized = [w.matmul for w in shape.quantized[:count]]
+                unquantized = shape.unquantized[:count]
+                x = torch.randn(size, shape.in_features).to(shape.dtype)
+                _time(quantized, x), _time(unquantized, x)  # oneDNN builds its kernel for a new size
+                times = [(_time(quantized, x), _time(unquantized, x)) for _ in range(PASSES)]
+                ratios[size] = min(q for q, _ in times) / min(u for _, u in times)
+    finally:
+        torch.set_num_threads(threads)
+    return ratios
+
+
+def _load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save(path: Path, entries: dict) -> None:
+    """Written whole under a temporary name, then renamed: engines starting together never read half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".matmul_choice")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("could not cache the matmul choice in %s (%s)", path, e)
+
+
+def choose_max_tokens(shapes: list[WeightShape]) -> dict[str, dict]:
+    """Set every quantized weight's max_tokens from the cache, measuring the shapes it lacks; returns
+    each shape's entry ({"max_tokens", "ratios"})."""
+    path = cache_file()
+    cached = _load(path)
+    missing = [s for s in shapes if s.key not in cached]
+    if missing:
+        start = time.perf_counter()
+        for shape in missing:
+            ratios = measure_ratios(shape)
+            cached[shape.key] = {"max_tokens": max_tokens_from_ratios(ratios), "ratios": ratios}
+        logger.info(
+            "measured the matmul choice of %d weight shapes in %.1f s",
+            len(missing),
+            time.perf_counter() - start,
+        )
+        entries = _load(path) | {s.key: cached[s.key] for s in missing}
+        _save(path, entries)
+    for shape in shapes:
+        for weight in shape.quantized:
+            weight.max_tokens = cached[shape.key]["max_tokens"]
+    return {s.key: cached[s.key] for s in shapes}
