@@ -6,9 +6,9 @@ weight too, for the steps where its kernel is slower than oneDNN's bf16 matmul, 
 token count: up to `max_tokens`, measured per CPU and shape (nanoserve.model.matmul_choice) or, with the
 fixed choice, the limits below.
 
-Both formats take groups of 32 inputs with a scale and an offset each, the format of llama.cpp's Q4_1:
-the bundled Q4_1 model requantizes to the values it was shipped with, up to the bf16 rounding of the
-scales. Two kernels run them:
+Both formats take groups of 32 inputs with a float16 scale and offset each (GroupCodes), which holds
+llama.cpp's Q4_0, Q4_1 and Q8_0 blocks exactly: a GGUF file's codes load as they are, and the bundled
+Q4_1 model requantizes from bf16 to the values it was shipped with. Two kernels run them:
 - the C++ quant_matmul (AVX-512 VNNI), which also quantizes activations to int8 per group of 32, 4- or
   8-bit weight codes, faster than bf16 at every step size measured; the lm_head gets 8-bit codes
   (logits are where 4-bit error shows most);
@@ -27,6 +27,8 @@ import torch
 from torch import Tensor
 
 GROUP_SIZE = 32
+FLOAT16_TINY = 2.0**-24
+"""The smallest float16 above zero: the scale of a group whose weights are all equal."""
 QUANT_MATMUL_MAX_TOKENS = sys.maxsize
 """The fixed choice: quant_matmul serves steps of every size (measured over all 30 layers of SmolLM2-135M
 on a 2-core AVX-512 Zen without AMX, int4 takes 0.2x bf16's time at 1 token, 0.4x at 8, 0.7x at 32,
@@ -47,11 +49,16 @@ class QuantizedWeight(Protocol):
         """x: [T, K] -> [T, N], in x's dtype."""
         ...
 
+    @property
+    def nbytes(self) -> int:
+        """What a matmul reads of it."""
+        ...
+
 
 @dataclass
 class GroupQuantWeight:
     """Weights for the C++ quant_matmul (nanoserve/model/kernels/quant_matmul.cpp): unsigned codes in
-    tiles of 16 output columns, a bfloat16 scale and offset per group."""
+    tiles of 16 output columns, a float16 scale and offset per group."""
 
     codes: Tensor
     scales: Tensor
@@ -61,6 +68,10 @@ class GroupQuantWeight:
 
     def matmul(self, x: Tensor) -> Tensor:
         return self.kernel(x, self.codes, self.scales, self.bits)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
 
 
 @dataclass
@@ -77,6 +88,10 @@ class TorchInt4Weight:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.contiguous(), self.packed, GROUP_SIZE, self.scales_and_zeros.to(x.dtype)
         )
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
 
 
 def fast_kernels(kernels: ModuleType | None) -> TypeGuard[ModuleType]:
@@ -101,48 +116,94 @@ def quantization_error(method: str, device: torch.device, kernels: ModuleType | 
     )
 
 
-def quantize_weight(weight: Tensor, bits: int, kernels: ModuleType | None) -> QuantizedWeight | None:
-    """The weight for the best kernel available; None when its shape does not fit that kernel."""
-    if fast_kernels(kernels):
-        return quantize_groups(weight, bits, kernels.quant_matmul)
-    if bits == 4:
-        return quantize_torch_int4(weight)
-    return None
+@dataclass
+class GroupCodes:
+    """A weight in groups of 32 inputs as unsigned codes with a float16 scale and offset per group
+    (w = code * scale + low), before a kernel packs it: what quantizing a float weight gives, and what
+    GGUF's Q4_0, Q4_1 and Q8_0 blocks hold (nanoserve.model.gguf_codes), so that a file's own codes reach
+    the kernel unchanged."""
+
+    codes: Tensor
+    """uint8 [..., N, K / 32, 32]"""
+    scale: Tensor
+    """float16 [..., N, K / 32]"""
+    low: Tensor
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.codes.shape[:-2], self.codes.shape[-2] * GROUP_SIZE)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        values = self.codes.float() * self.scale.float().unsqueeze(-1) + self.low.float().unsqueeze(-1)
+        return values.flatten(-2).to(dtype)
+
+    def map_rows(self, fn: Callable[[Tensor], Tensor]) -> GroupCodes:
+        """fn applied to codes, scales and offsets alike (fn must move whole rows)."""
+        return GroupCodes(fn(self.codes), fn(self.scale), fn(self.low), self.bits)
+
+    def unbind(self) -> list[GroupCodes]:
+        """Along the leading dimension (a GGUF's stacked experts)."""
+        return [self.map_rows(lambda t, i=i: t[i]) for i in range(self.codes.shape[0])]
+
+    @staticmethod
+    def cat(parts: list[GroupCodes]) -> GroupCodes:
+        """Along the rows (fused q/k/v and gate/up), all of one bit width."""
+        assert len({p.bits for p in parts}) == 1
+        return GroupCodes(
+            *(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "low")), parts[0].bits
+        )
 
 
-def _group_codes(weight: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
-    """[N, K] -> codes [N, K / 32, 32] mapping each group's min..max onto 0..2^bits - 1, scale, low."""
-    n, k = weight.shape
-    groups = weight.detach().float().view(n, k // GROUP_SIZE, GROUP_SIZE)
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    levels = 2**bits - 1
-    scale = ((high - low) / levels).clamp(min=torch.finfo(torch.float32).tiny)
-    codes = ((groups - low) / scale).round_().clamp_(0, levels)
-    return codes, scale, low
-
-
-def quantize_groups(weight: Tensor, bits: int, kernel: Callable) -> GroupQuantWeight | None:
-    n, k = weight.shape
-    if n % 16 or k % GROUP_SIZE:
-        return None
-    codes, scale, low = _group_codes(weight, bits)
-    # [tiles, 16 columns, groups, 8 quads, 4 inputs] -> [tiles, groups, quads, columns, inputs]
-    codes = codes.to(torch.uint8).view(n // 16, 16, k // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)
-    if bits == 4:  # quads 0-3 in the low nibbles, 4-7 in the high ones
-        codes = codes[:, :, :4] | (codes[:, :, 4:] << 4)
-    scales = torch.cat([scale, low], -1).view(n // 16, 16, k // GROUP_SIZE, 2).permute(0, 2, 3, 1)
-    return GroupQuantWeight(
-        codes.reshape(n // 16, -1).contiguous(), scales.to(torch.bfloat16).contiguous(), bits, kernel
-    )
-
-
-def quantize_torch_int4(weight: Tensor) -> TorchInt4Weight | None:
+def group_codes(weight: Tensor, bits: int) -> GroupCodes | None:
+    """[N, K] -> each group's min..max onto codes 0..2^bits - 1, the codes chosen against the float16
+    scale and offset as stored; None when K is not in groups of 32 or a group's range is beyond float16."""
     n, k = weight.shape
     if k % GROUP_SIZE:
         return None
-    codes, scale, low = _group_codes(weight, 4)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).view(n, k), 1)
+    groups = weight.detach().float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+    low, high = groups.amin(-1), groups.amax(-1)
+    levels = 2**bits - 1
+    scale = ((high - low) / levels).clamp(min=FLOAT16_TINY).to(torch.float16)
+    low = low.to(torch.float16)
+    if not (scale.isfinite().all() and low.isfinite().all()):
+        return None
+    codes = (groups - low.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)
+    return GroupCodes(codes.round_().clamp_(0, levels).to(torch.uint8), scale, low, bits)
+
+
+def quantize_weight(weight: Tensor, bits: int, kernels: ModuleType | None) -> QuantizedWeight | None:
+    """The weight for the best kernel available; None when its shape does not fit that kernel."""
+    codes = group_codes(weight, bits)
+    return None if codes is None else pack_codes(codes, kernels)
+
+
+def pack_codes(codes: GroupCodes, kernels: ModuleType | None) -> QuantizedWeight | None:
+    """Codes in the layout of the best kernel available; None when their shape does not fit it."""
+    if fast_kernels(kernels):
+        return pack_groups(codes, kernels.quant_matmul)
+    if codes.bits == 4:
+        return pack_torch_int4(codes)
+    return None
+
+
+def pack_groups(codes: GroupCodes, kernel: Callable) -> GroupQuantWeight | None:
+    n, k = codes.shape
+    if n % 16:
+        return None
+    groups = k // GROUP_SIZE
+    # [tiles, 16 columns, groups, 8 quads, 4 inputs] -> [tiles, groups, quads, columns, inputs]
+    tiled = codes.codes.view(n // 16, 16, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    if codes.bits == 4:  # quads 0-3 in the low nibbles, 4-7 in the high ones
+        tiled = tiled[:, :, :4] | (tiled[:, :, 4:] << 4)
+    scales = torch.stack([codes.scale, codes.low], -1).view(n // 16, 16, groups, 2).permute(0, 2, 3, 1)
+    return GroupQuantWeight(tiled.reshape(n // 16, -1).contiguous(), scales.contiguous(), codes.bits, kernel)
+
+
+def pack_torch_int4(codes: GroupCodes) -> TorchInt4Weight:
+    n, k = codes.shape
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32).view(n, k), 1)
     # the kernel computes (code - 8) * scale + zero, so zero is the value of code 8
-    zeros = low + 8 * scale
-    scales_and_zeros = torch.stack([scale.squeeze(-1), zeros.squeeze(-1)], dim=-1).transpose(0, 1)
-    return TorchInt4Weight(packed, scales_and_zeros.contiguous().to(weight.dtype))
+    scale, low = codes.scale.float(), codes.low.float()
+    scales_and_zeros = torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1)
+    return TorchInt4Weight(packed, scales_and_zeros.contiguous().to(torch.bfloat16))

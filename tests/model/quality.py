@@ -16,7 +16,7 @@ CPU = torch.device("cpu")
 
 
 def on_grid(weight: torch.Tensor, bits: int) -> torch.Tensor:
-    """The nearest weight that `bits` codes with groups of 32 represent exactly (bf16 scales aside)."""
+    """The nearest weight that `bits` codes with groups of 32 represent exactly (float16 scales aside)."""
     n, k = weight.shape
     groups = weight.float().view(n, k // GROUP_SIZE, GROUP_SIZE)
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)

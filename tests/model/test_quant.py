@@ -13,9 +13,10 @@ from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.quant import (
     GROUP_SIZE,
     fast_kernels,
+    group_codes,
+    pack_groups,
+    pack_torch_int4,
     quantization_error,
-    quantize_groups,
-    quantize_torch_int4,
     quantize_weight,
 )
 
@@ -48,8 +49,8 @@ def test_quant_matmul_equals_quantized_reference(kernels, bits, rows):
     torch.manual_seed(bits * rows)
     weight = on_grid(torch.randn(320, 576) * 0.05, bits)
     x = torch.randn(rows, 576)
-    out = quantize_groups(weight, bits, kernels.quant_matmul).matmul(x)
-    # exact on both grids (up to the bf16 scales), and within int8 rounding of float activations
+    out = pack_groups(group_codes(weight, bits), kernels.quant_matmul).matmul(x)
+    # exact on both grids (up to the float16 scales), and within int8 rounding of float activations
     torch.testing.assert_close(out, int8_activations(x) @ weight.T, atol=0.05, rtol=0.02)
     exact = x @ weight.T
     assert (out - exact).norm() < 0.01 * exact.norm()
@@ -60,12 +61,12 @@ def test_torch_int4_reproduces_weights_on_its_grid():
     weight = on_grid(torch.randn(96, 128) * 0.05, 4)
     for tokens in (1, 5, 16):
         x = torch.randn(tokens, 128)
-        out = quantize_torch_int4(weight).matmul(x.bfloat16()).float()
+        out = pack_torch_int4(group_codes(weight, 4)).matmul(x.bfloat16()).float()
         torch.testing.assert_close(out, x @ weight.T, atol=0.02, rtol=0.02)
 
 
 def test_shapes_that_do_not_split_stay_unquantized(kernels):
-    assert quantize_torch_int4(torch.randn(16, 48)) is None  # K not in groups of 32
+    assert group_codes(torch.randn(16, 48), 4) is None  # K not in groups of 32
     assert quantize_weight(torch.randn(20, 64), 4, kernels) is (None if kernels else not None)
 
 

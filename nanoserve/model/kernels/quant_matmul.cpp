@@ -13,7 +13,7 @@
 // columns and each dot product lands in one lane per column (no horizontal sums):
 //   4 bits: [N / 16, K / 32, 4, 16 columns, 4 inputs], quad q in the low nibbles and quad q + 4 in the high
 //   8 bits: [N / 16, K / 32, 8, 16 columns, 4 inputs]
-//   scales: bfloat16 [N / 16, K / 32, 2, 16 columns] (scale, then low)
+//   scales: float16 [N / 16, K / 32, 2, 16 columns] (scale, then low): GGUF's Q4_0/Q4_1/Q8_0 values exactly
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -34,9 +34,8 @@ constexpr int64_t MAX_ROWS = 8;  // rows of x per pass over a tile, their sums i
 
 #ifdef NANOSERVE_QUANT_MATMUL
 
-inline __m512 bf16_to_float(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+inline __m512 half_to_float(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // The codes of one group of one tile as 8 vectors of u8 [16 columns, 4 inputs], quad by quad.
@@ -66,18 +65,18 @@ inline void store(at::BFloat16* out, __m512 values) {  // round to nearest even,
 // out columns of tiles [tile_begin, tile_end) for ROWS rows of quantized x
 template <int BITS, int ROWS, typename T>
 void tile_rows(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
-               const at::BFloat16* scales, T* out, int64_t k, int64_t n, int64_t tile_begin,
+               const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile_begin,
                int64_t tile_end) {
   const int64_t groups = k / GROUP, group_bytes = GROUP * TILE * BITS / 8;
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     const uint8_t* c = codes + tile * groups * group_bytes;
-    const at::BFloat16* s = scales + tile * groups * 2 * TILE;
+    const at::Half* s = scales + tile * groups * 2 * TILE;
     __m512 acc[ROWS];
     for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g, c += group_bytes, s += 2 * TILE) {
       __m512i quads[8];
       load_group<BITS>(c, quads);
-      const __m512 w_scale = bf16_to_float(s), w_low = bf16_to_float(s + TILE);
+      const __m512 w_scale = half_to_float(s), w_low = half_to_float(s + TILE);
       for (int r = 0; r < ROWS; ++r) {
         const int32_t* xg = reinterpret_cast<const int32_t*>(xq + r * k + g * GROUP);  // 4 inputs per int32
         __m512i dot = _mm512_setzero_si512();
@@ -118,7 +117,7 @@ void quantize_activations(const T* x, int8_t* xq, float* scales, float* sums, in
 
 template <int BITS, typename T>
 void quant_matmul_impl(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
-                       const at::BFloat16* scales, T* out, int64_t rows, int64_t k, int64_t n) {
+                       const at::Half* scales, T* out, int64_t rows, int64_t k, int64_t n) {
   const int64_t groups = k / GROUP;
   at::parallel_for(0, n / TILE, 4, [&](int64_t begin, int64_t end) {
     for (int64_t row = 0; row < rows; row += MAX_ROWS) {
@@ -157,7 +156,7 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 #ifdef NANOSERVE_QUANT_MATMUL
   TORCH_CHECK(bits == 4 || bits == 8, "quant_matmul: 4 or 8 bits");
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && codes.is_contiguous() && scales.is_contiguous());
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kBFloat16);
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kHalf);
   const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0) * TILE;
   TORCH_CHECK(k % GROUP == 0 && codes.size(1) == k * TILE * bits / 8, "quant_matmul: codes do not match x");
   TORCH_CHECK(scales.numel() == n / TILE * (k / GROUP) * 2 * TILE, "quant_matmul: scales do not match codes");
@@ -179,7 +178,7 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
     using T = std::remove_pointer_t<decltype(out_data)>;
     (bits == 4 ? quant_matmul_impl<4, T> : quant_matmul_impl<8, T>)(
         xq.data_ptr<int8_t>(), x_scales.data_ptr<float>(), x_sums.data_ptr<float>(), codes.data_ptr<uint8_t>(),
-        scales.data_ptr<at::BFloat16>(), out_data, rows, k, n);
+        scales.data_ptr<at::Half>(), out_data, rows, k, n);
   };
   if (bf16) {
     run(out.data_ptr<at::BFloat16>());
