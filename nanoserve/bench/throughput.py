@@ -2,7 +2,9 @@
 
 Both engines get the same token-id prompts (32 tokens each), greedy, a fixed number of new tokens
 (EOS ignored), at each batch size. Output tokens per second are reported as min/median/max over
-repeats, and the ratio uses the medians measured side by side in this one run.
+repeats, and the ratio uses the medians measured side by side in this one run. A second table gives,
+for each nanoserve engine, the weight bytes a decode step reads and the rate it read them at, beside
+this machine's read bandwidth measured in the same run (nanoserve.bench.bandwidth).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import statistics
 import time
 
 import torch
+
+from nanoserve.bench.bandwidth import BUFFER_MIB, PASSES, read_bandwidth
 
 PASSAGE = (
     "The city grew from a small river crossing into a busy market town. Merchants came from the coast "
@@ -95,6 +99,32 @@ def nanoserve_options(name: str) -> dict:
     }
 
 
+def print_weight_rates(
+    llms: dict,
+    batch_sizes: list[int],
+    tok_s: dict[str, list[float]],
+    labels: dict[str, str],
+    bandwidth: float,
+) -> None:
+    """Per engine and batch: MB of weights per decode step, and the GB/s that makes at the median tok/s
+    (one step per batch of tokens; prefill time counts against it, so it is a lower bound), as a share
+    of the read bandwidth."""
+    if not llms:
+        return
+    print(
+        f"\nweights read per decode step, and at what rate (at the median tok/s), against this machine's "
+        f"read bandwidth: {bandwidth / 1e9:.1f} GB/s (a sum over {BUFFER_MIB} MiB, best of {PASSES})"
+    )
+    print(f"{'batch':>5}" + "".join(f"  {labels[n]:>28}" for n in llms))
+    for i, batch in enumerate(batch_sizes):
+        cells = []
+        for name, llm in llms.items():
+            step_bytes = llm.llm_engine.engine_core.collective_rpc("weight_bytes_per_step", (batch,))[0]
+            rate = step_bytes * tok_s[labels[name]][i] / batch
+            cells.append(f"{step_bytes / 1e6:.1f} MB {rate / 1e9:5.1f} GB/s {rate / bandwidth:4.0%}")
+        print(f"{batch:>5}" + "".join(f"  {c:>28}" for c in cells))
+
+
 def summarize(samples: list[float]) -> str:
     return f"{statistics.median(samples):7.1f} ({min(samples):.0f}-{max(samples):.0f})"
 
@@ -161,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         print(row, flush=True)
         for name in names:
             curves[labels[name]].append(medians[name])
+    print_weight_rates(llms, batch_sizes, curves, labels, read_bandwidth())
     if args.plot:
         from nanoserve.bench.plot import plot_throughput
 

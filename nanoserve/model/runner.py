@@ -45,7 +45,7 @@ def serving_config(config: ModelConfig, max_model_len: int | None) -> ModelConfi
 
 
 class ModelRunner:
-    RPC_METHODS = ("describe", "num_parameters")
+    RPC_METHODS = ("describe", "num_parameters", "weight_bytes_per_step")
 
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
@@ -135,6 +135,10 @@ class ModelRunner:
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self._loaded().parameters())
+
+    def weight_bytes_per_step(self, num_seqs: int) -> int:
+        """Weight bytes a decode step of num_seqs sequences reads (see CausalLM.weight_bytes_per_step)."""
+        return self._loaded().weight_bytes_per_step(num_seqs, num_seqs)
 
     def save_state(self, path: str) -> None:
         """Write the loaded weights as one safetensors file (there is one shard: no tensor parallelism)."""

@@ -10,8 +10,10 @@ from paged_driver import PagedDriver
 from quality import bf16_model, greedy, on_grid, perplexity, shared_prefix_lengths
 
 from nanoserve.model.kernels import cpu_kernels
+from nanoserve.model.layers.linear import Linear
 from nanoserve.model.quant import (
     GROUP_SIZE,
+    LM_HEAD_QUANT_MAX_ROWS,
     fast_kernels,
     group_codes,
     pack_groups,
@@ -183,3 +185,20 @@ def test_greedy_agreement_with_bf16(bundled_gguf_path, kernels, method):
     shared = shared_prefix_lengths(quantized, reference)
     print(f"{method}: greedy tokens shared with bf16 per prompt {shared}")
     assert sum(shared) / len(shared) >= MIN_MEAN_AGREEMENT
+
+
+def test_weight_bytes_per_step_count_the_copy_each_step_size_reads(tiny_gqa_dir, kernels):
+    needs_quant_matmul(kernels)
+    path = str(tiny_gqa_dir)
+    bf16, int4 = bf16_model(path, "none", kernels), bf16_model(path, "int4", kernels)
+    linears = [m for m in int4.layers.modules() if isinstance(m, Linear)]
+    row = bf16.embed_tokens.weight[0].nbytes
+    matrices = sum(m.weight.nbytes for m in linears) + bf16.lm_head_weight.nbytes
+    assert bf16.weight_bytes_per_step(3, 3) == 3 * row + matrices
+    codes = sum(m.quantized.codes.nbytes + m.quantized.scales.nbytes for m in linears)
+    head = int4.quantized_lm_head
+    assert int4.weight_bytes_per_step(1, 1) == row + codes + head.codes.nbytes + head.scales.nbytes
+    for linear in linears:
+        linear.quantized.max_tokens = 2  # steps past the limits read the bf16 weights
+    past = LM_HEAD_QUANT_MAX_ROWS + 1
+    assert int4.weight_bytes_per_step(past, past) == bf16.weight_bytes_per_step(past, past)

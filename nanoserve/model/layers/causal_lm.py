@@ -97,6 +97,28 @@ class CausalLM(nn.Module):
             return packed_linear(hidden, self.packed_embed, None)
         return F.linear(hidden, self.embed_tokens.weight)
 
+    @property
+    def lm_head_weight(self) -> Tensor:
+        """[vocab, hidden]: the embedding where tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def weight_bytes_per_step(self, num_tokens: int, num_logits: int) -> int:
+        """Weight bytes a step of num_tokens rows (num_logits of them turned into logits) reads: every
+        matmul's weight, as the copy that serves a step of that size, and the embedding rows. Expert
+        weights count by the share of experts the step's tokens are expected to reach (router choices
+        taken as uniform), so for a mixture of experts it is an estimate."""
+        total = num_tokens * self.embed_tokens.weight[0].nbytes
+        moe = self.config.moe
+        reach = 1.0 if moe is None else 1 - (1 - moe.num_experts_per_tok / moe.num_experts) ** num_tokens
+        for name, module in self.layers.named_modules():
+            if isinstance(module, Linear):
+                share = reach if ".experts." in name else 1.0
+                total += int(module.bytes_read(num_tokens) * share)
+        head = self.quantized_lm_head
+        if head is not None and num_logits <= head.max_tokens:
+            return total + head.nbytes
+        return total + self.lm_head_weight.nbytes
+
     # -- after loading ------------------------------------------------------------------------
 
     def prepack_for_cpu(self) -> None:
@@ -132,8 +154,7 @@ class CausalLM(nn.Module):
                 if isinstance(module, Linear):
                     module.quantized = quantize_weight(module.weight, bits, kernels)
         if fast_kernels(kernels):
-            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            self.quantized_lm_head = quantize_weight(head, 8, kernels)
+            self.quantized_lm_head = quantize_weight(self.lm_head_weight, 8, kernels)
             if self.quantized_lm_head is not None:
                 self.quantized_lm_head.max_tokens = LM_HEAD_QUANT_MAX_ROWS
         if matmul_choice == "auto":
@@ -155,6 +176,11 @@ class CausalLM(nn.Module):
                 unquantized = functools.partial(module.unquantized, with_bias=False)
                 add("linear", module.quantized, module.weight, unquantized, STEP_SIZES)
         if self.quantized_lm_head is not None:
-            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            add("lm_head", self.quantized_lm_head, head, self._unquantized_lm_head, LM_HEAD_STEP_SIZES)
+            add(
+                "lm_head",
+                self.quantized_lm_head,
+                self.lm_head_weight,
+                self._unquantized_lm_head,
+                LM_HEAD_STEP_SIZES,
+            )
         return list(shapes.values())

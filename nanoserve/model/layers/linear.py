@@ -48,6 +48,13 @@ class Linear(nn.Linear):
             return out if self.bias is None else out + self.bias
         return self.unquantized(input)
 
+    def bytes_read(self, num_tokens: int) -> int:
+        """Weight bytes a step of num_tokens rows reads: the quantized copy's where it serves the step."""
+        bias = 0 if self.bias is None else self.bias.nbytes
+        if self.quantized is not None and num_tokens <= self.quantized.max_tokens:
+            return self.quantized.nbytes + bias
+        return self.weight.nbytes + bias
+
     def unquantized(self, input: Tensor, with_bias: bool = True) -> Tensor:
         bias = self.bias if with_bias else None
         if self.packed is not None:
