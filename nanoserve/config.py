@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 RUNNERS = ("model", "null")
-QUANTIZATIONS = ("none", "int4", "int8")
+QUANTIZATIONS = ("none", "auto", "int4", "int8")
 CPU_KERNEL_MODES = ("auto", "unfused", "off")
 MATMUL_CHOICES = ("auto", "fixed")
 START_METHODS = ("spawn", "forkserver", "fork")
@@ -55,7 +55,8 @@ class EngineOptions:
     quantization: str = "none"
     """int4 / int8: 4- or 8-bit weights in groups of 32 for steps of up to 64 tokens on CPU (decode),
     bf16 for bigger ones; with the C++ kernels activations go to int8 too, without them int4 only
-    (torch's kernel). See nanoserve.model.quant."""
+    (torch's kernel). A GGUF file's Q4_0/Q4_1 (int4) or Q8_0 (int8) codes load as they are; auto keeps
+    each of its matrices in the file's own format (none for HF folders). See nanoserve.model.quant."""
     cpu_kernels: str = "auto"
     """auto: decode attention, RMSNorm, rotary embedding and activations in C++ kernels compiled on first
     use (CPU, bfloat16/float32) where they build, and decode steps of Llama-shaped models as one fused C++

@@ -83,10 +83,10 @@ def time_transformers(model, prompts: list[list[int]], new_tokens: int) -> float
 def nanoserve_options(name: str) -> dict:
     """`mp-int4-nokernels` -> the LLM options it names."""
     mode, *suffixes = name.split("-")
-    quantizations = [s for s in suffixes if s in ("int4", "int8")]
+    quantizations = [s for s in suffixes if s in ("auto", "int4", "int8")]
     if (
         mode not in ("mp", "inproc")
-        or not set(suffixes) <= {"int4", "int8", "nokernels", "unfused"}
+        or not set(suffixes) <= {"auto", "int4", "int8", "nokernels", "unfused"}
         or len(quantizations) > 1
         or {"nokernels", "unfused"} <= set(suffixes)
     ):
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         "--engines",
         default="mp,transformers",
         help="comma-separated, first is the reference for ratios: mp (engine core in a child process) or "
-        "inproc (same process), each optionally followed by -int4 or -int8 (--quantization) and/or "
+        "inproc (same process), each optionally followed by -int4, -int8 or -auto (--quantization) and/or "
         "-nokernels (--cpu-kernels off) or -unfused (--cpu-kernels unfused), e.g. mp-int4; and transformers",
     )
     parser.add_argument("--profile", action="store_true", help="write a torch profiler trace of a decode run")

@@ -61,7 +61,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=QUANTIZATIONS,
         default=None,
-        help="int4 / int8: quantized weights for decode (CPU)",
+        help="int4 / int8: quantized weights for decode (CPU); auto: a GGUF file's own Q4_0/Q4_1/Q8_0 codes "
+        "(none for HF folders)",
     )
     group.add_argument(
         "--cpu-kernels",

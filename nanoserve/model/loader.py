@@ -12,7 +12,7 @@ from nanoserve.model import registry
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.layers.causal_lm import CausalLM
 from nanoserve.model.layers.linear import cpu_prepack_supported
-from nanoserve.model.quant import quantization_error
+from nanoserve.model.quant import GroupCodes, quantization_error
 from nanoserve.model.weights import fuse, gguf_info, gguf_weights, hf_weights
 from nanoserve.model_files import is_gguf, model_name
 
@@ -32,6 +32,19 @@ def load_model_config(path: str) -> ModelConfig:
     return registry.family_for(architecture).config_from_hf(hf, architecture, name)
 
 
+CODE_BITS = {"auto": frozenset({4, 8}), "int4": frozenset({4}), "int8": frozenset({8})}
+"""Per --quantization: the bits of the GGUF tensors (Q4_0/Q4_1: 4, Q8_0: 8) whose own codes the quantized
+weights take; other tensors are dequantized (and, for int4/int8, quantized from their values)."""
+
+
+def resolve_quantization(quantization: str, path: str, device: torch.device) -> str:
+    """auto: the GGUF file's own quantization on CPU (its Q4_0/Q4_1/Q8_0 matrices stay in it, the rest
+    unquantized), none for HF folders and other devices."""
+    if quantization != "auto":
+        return quantization
+    return "auto" if is_gguf(path) and device.type == "cpu" else "none"
+
+
 def load_model(
     path: str,
     config: ModelConfig,
@@ -43,15 +56,20 @@ def load_model(
 ) -> CausalLM:
     """kernels: the C++ CPU kernels (nanoserve.model.kernels), for the quantized formats they run;
     matmul_choice: see nanoserve.model.matmul_choice."""
+    quantization = resolve_quantization(quantization, path, device)
     error = quantization_error(quantization, device, kernels)
     if error:
         raise ValueError(error)
     family = registry.family_for(config.architecture)
-    weights = gguf_weights(path, family, config) if is_gguf(path) else hf_weights(path, family)
+    if is_gguf(path):
+        weights = gguf_weights(path, family, config, CODE_BITS.get(quantization, frozenset()))
+    else:
+        weights = hf_weights(path, family)
     with torch.device("meta"):
         model = family.build(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
+    codes: dict[str, GroupCodes] = {}
     for name, tensor in fuse(weights):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -59,6 +77,9 @@ def load_model(
             raise ValueError(f"Unexpected weight {name!r} in {path!r} for {config.architecture}.")
         if tuple(tensor.shape) != expected[name]:
             raise ValueError(f"Weight {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}.")
+        if isinstance(tensor, GroupCodes):
+            codes[name] = tensor
+            tensor = tensor.dequantize()
         state[name] = tensor.to(device=device, dtype=dtype)
     missing = sorted(set(expected) - set(state))
     if missing:
@@ -70,7 +91,7 @@ def load_model(
     if cpu_prepack_supported(dtype, device):
         model.prepack_for_cpu()
     if quantization != "none":
-        model.quantize(quantization, kernels, matmul_choice)
+        model.quantize(quantization, kernels, matmul_choice, codes)
     return model
 
 

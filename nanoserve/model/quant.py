@@ -107,8 +107,8 @@ def quantization_error(method: str, device: torch.device, kernels: ModuleType | 
         return f"quantization {method!r} is for CPU decode; the device is {device}."
     if fast_kernels(kernels):
         return None
-    if method == "int4" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        return None
+    if method in ("int4", "auto") and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return None  # auto: a file's 8-bit codes then stay unquantized
     return (
         f"quantization {method!r} needs the C++ CPU kernels with AVX-512 VNNI (not available here: "
         "no compiler, --cpu-kernels off, or an older CPU)"

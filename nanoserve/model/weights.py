@@ -1,15 +1,16 @@
 """Weights as they come off disk, in one vocabulary: the model's own parameter names.
 
-HF safetensors go through the family's renames and adaptations; GGUF tensors are dequantized, named
-from llama.cpp's names, un-permuted where llama.cpp permuted q/k, and stacked experts are split. Both
-then pass `fuse`, which concatenates q/k/v and gate/up as the model's fused Linears hold them.
+HF safetensors go through the family's renames and adaptations; GGUF tensors are dequantized (or, in
+Q4_0, Q4_1 and Q8_0, kept as GroupCodes when the caller asks: nanoserve.model.gguf_codes), named from
+llama.cpp's names, un-permuted where llama.cpp permuted q/k, and stacked experts are split. Both then
+pass `fuse`, which concatenates q/k/v and gate/up as the model's fused Linears hold them.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,8 @@ import torch
 
 from nanoserve.model.config import GGUFInfo, ModelConfig
 from nanoserve.model.family import ModelFamily
+from nanoserve.model.gguf_codes import BLOCK_BYTES, gguf_codes
+from nanoserve.model.quant import GroupCodes
 from nanoserve.model_files import gguf_metadata, gguf_reader, gguf_vocab_size
 
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -74,9 +77,14 @@ def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_weights(path: str, family: ModelFamily, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+Weight = torch.Tensor | GroupCodes
+
+
+def gguf_weights(
+    path: str, family: ModelFamily, config: ModelConfig, code_bits: frozenset[int] = frozenset()
+) -> Iterator[tuple[str, Weight]]:
+    """code_bits: the tensors of a Q4_0/Q4_1 (4) or Q8_0 (8) type with these bits come as GroupCodes."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
 
     for t in gguf_reader(path).tensors:
         parts = t.name.split(".")  # blk.N.attn_q.weight | token_embd.weight
@@ -88,26 +96,42 @@ def gguf_weights(path: str, family: ModelFamily, config: ModelConfig) -> Iterato
         if base not in family.gguf_names:
             raise ValueError(f"Unexpected GGUF tensor {t.name!r} for {config.architecture}.")
         qtype = GGMLQuantizationType(t.tensor_type)
-        try:
-            # np.asarray: a plain view, not a memmap, which dequantize slices row group by row group much faster
-            array = dequantize(np.asarray(t.data), qtype)
-        except NotImplementedError as e:
-            raise ValueError(
-                f"GGUF tensor {t.name!r} uses {qtype.name}, which the gguf package cannot dequantize "
-                f"(tested: {', '.join(GGUF_TYPES)})."
-            ) from e
         # numpy order is [rows, cols]: GGUF lists dimensions reversed
-        array = array.reshape(tuple(reversed([int(d) for d in t.shape])))
-        tensor = torch.from_numpy(np.array(array, dtype=np.float32))
+        shape = tuple(reversed([int(d) for d in t.shape]))
+        tensor: Weight | None = None
+        if qtype.name in BLOCK_BYTES and (8 if qtype.name == "Q8_0" else 4) in code_bits:
+            tensor = gguf_codes(t.data, qtype.name, shape)
+        if tensor is None:
+            tensor = _dequantized(t, qtype, shape)
         if family.gguf_permutes_qk and base in ("attn_q", "attn_k"):
-            tensor = _unpermute_rope(tensor, config.num_heads if base == "attn_q" else config.num_kv_heads)
+            heads = config.num_heads if base == "attn_q" else config.num_kv_heads
+            tensor = _map_rows(tensor, lambda rows, heads=heads: _unpermute_rope(rows, heads))
         name = family.gguf_names[base]
         prefix = "" if layer is None else f"layers.{layer}."
         if "{}" in name:  # [experts, rows, cols]: one matrix per expert
-            for expert, matrix in enumerate(tensor):
+            experts = tensor.unbind() if isinstance(tensor, GroupCodes) else list(tensor)
+            for expert, matrix in enumerate(experts):
                 yield f"{prefix}{name.format(expert)}.{kind}", matrix
         else:
             yield f"{prefix}{name}.{kind}", tensor
+
+
+def _map_rows(tensor: Weight, fn: Callable[[torch.Tensor], torch.Tensor]) -> Weight:
+    return tensor.map_rows(fn) if isinstance(tensor, GroupCodes) else fn(tensor)
+
+
+def _dequantized(t, qtype, shape: tuple[int, ...]) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    try:
+        # np.asarray: a plain view, not a memmap, which dequantize slices row group by row group much faster
+        array = dequantize(np.asarray(t.data), qtype)
+    except NotImplementedError as e:
+        raise ValueError(
+            f"GGUF tensor {t.name!r} uses {qtype.name}, which the gguf package cannot dequantize "
+            f"(tested: {', '.join(GGUF_TYPES)})."
+        ) from e
+    return torch.from_numpy(np.array(array.reshape(shape), dtype=np.float32))
 
 
 _FUSED = {
@@ -120,9 +144,10 @@ _FUSED = {
 """HF projection -> (the fused Linear it goes into, its place, how many parts the fused Linear has)."""
 
 
-def fuse(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-style names -> the model's, concatenating q/k/v and gate/up as all their parts arrive."""
-    pending: dict[str, dict[int, torch.Tensor]] = {}
+def fuse(weights: Iterator[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+    """HF-style names -> the model's, concatenating q/k/v and gate/up as all their parts arrive (codes of
+    one bit width stay codes; a mix is dequantized)."""
+    pending: dict[str, dict[int, Weight]] = {}
     for name, tensor in weights:
         name = name.removeprefix("model.")
         parts = name.split(".")
@@ -132,9 +157,16 @@ def fuse(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, tor
             group = pending.setdefault(key, {})
             group[index] = tensor
             if len(group) == num_parts:
-                yield key, torch.cat([group[i] for i in sorted(group)])
+                yield key, _cat([group[i] for i in sorted(group)])
                 del pending[key]
             continue
         yield name, tensor
     if pending:
         raise ValueError(f"Incomplete fused weights: {', '.join(sorted(pending))}.")
+
+
+def _cat(parts: list[Weight]) -> Weight:
+    codes = [p for p in parts if isinstance(p, GroupCodes)]
+    if len(codes) == len(parts) and len({p.bits for p in codes}) == 1:
+        return GroupCodes.cat(codes)
+    return torch.cat([p.dequantize() if isinstance(p, GroupCodes) else p for p in parts])

@@ -74,10 +74,20 @@ def _metadata(writer, hf: dict, architecture: str) -> None:
             writer.add_expert_feed_forward_length(hf["moe_intermediate_size"])
 
 
-def write_gguf(hf_dir: Path, out: Path) -> Path:
-    """hf_dir's fp32 weights as F32 tensors in a GGUF file at `out`."""
+def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32") -> Path:
+    """hf_dir's fp32 weights in a GGUF file at `out`: matrices (embeddings and experts' included) in
+    matrix_type (e.g. Q4_1, quantized by the gguf package as llama.cpp does), the rest as F32."""
     import gguf
+    from gguf.quants import quantize
     from safetensors.numpy import load_file
+
+    qtype = gguf.GGMLQuantizationType[matrix_type]
+
+    def add(name: str, w: np.ndarray) -> None:
+        if w.ndim < 2 or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, w)
+        else:
+            writer.add_tensor(name, quantize(w, qtype), raw_dtype=qtype)
 
     hf = json.loads((hf_dir / "config.json").read_text())
     architecture = hf["architectures"][0]
@@ -102,13 +112,11 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
             continue
         gguf_name = names.get_name(".".join(parts))
         assert gguf_name is not None, name
-        writer.add_tensor(f"{gguf_name}.{name.rsplit('.', 1)[1]}", w)
+        add(f"{gguf_name}.{name.rsplit('.', 1)[1]}", w)
     for name, matrices in sorted(stacked.items()):
         gguf_name = names.get_name(name)
         assert gguf_name is not None, name
-        writer.add_tensor(
-            f"{gguf_name}.weight", np.stack([m for _, m in sorted(matrices, key=lambda x: x[0])])
-        )
+        add(f"{gguf_name}.weight", np.stack([m for _, m in sorted(matrices, key=lambda x: x[0])]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

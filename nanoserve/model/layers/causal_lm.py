@@ -31,7 +31,14 @@ from nanoserve.model.matmul_choice import (
     choose_max_tokens,
     shape_key,
 )
-from nanoserve.model.quant import LM_HEAD_QUANT_MAX_ROWS, QuantizedWeight, fast_kernels, quantize_weight
+from nanoserve.model.quant import (
+    LM_HEAD_QUANT_MAX_ROWS,
+    GroupCodes,
+    QuantizedWeight,
+    fast_kernels,
+    pack_codes,
+    quantize_weight,
+)
 
 
 class CausalLM(nn.Module):
@@ -143,18 +150,34 @@ class CausalLM(nn.Module):
         if fused_decode and layers is not None:
             self.fused_decoder = build_fused_decoder(layers, self.norm.weight, kernels)
 
-    def quantize(self, method: str, kernels: ModuleType | None, matmul_choice: str = "fixed") -> None:
+    def quantize(
+        self,
+        method: str,
+        kernels: ModuleType | None,
+        matmul_choice: str = "fixed",
+        codes: dict[str, GroupCodes] | None = None,
+    ) -> None:
         """Add quantized copies of the matmul weights (see nanoserve.model.quant): the decoder layers'
         (experts' included) in 4 or 8 bits; the lm_head's, the largest single weight of a small model, in
-        8 bits, and only with the C++ kernel (4 bits there raised perplexity by 8%). matmul_choice: how
-        each weight's largest quantized step is set (nanoserve.model.matmul_choice)."""
-        bits = {"int4": 4, "int8": 8}[method]
-        for layer in self.layers:
-            for module in layer.modules():
-                if isinstance(module, Linear):
+        8 bits, and only with the C++ kernel (4 bits there raised perplexity by 8%). codes: a GGUF file's
+        own codes by parameter name, packed as they are; with method auto only those weights are quantized
+        (and the lm_head only where the file quantized it). matmul_choice: how each weight's largest
+        quantized step is set (nanoserve.model.matmul_choice)."""
+        bits = {"int4": 4, "int8": 8, "auto": None}[method]
+        codes = codes or {}
+        for name, module in self.layers.named_modules():
+            if isinstance(module, Linear):
+                own = codes.get(f"layers.{name}.weight")
+                if own is not None:
+                    module.quantized = pack_codes(own, kernels)
+                elif bits is not None:
                     module.quantized = quantize_weight(module.weight, bits, kernels)
-        if fast_kernels(kernels):
-            self.quantized_lm_head = quantize_weight(self.lm_head_weight, 8, kernels)
+        head_codes = codes.get("embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
+        if fast_kernels(kernels) and (bits is not None or head_codes is not None):
+            if head_codes is not None and head_codes.bits == 8:
+                self.quantized_lm_head = pack_codes(head_codes, kernels)
+            else:
+                self.quantized_lm_head = quantize_weight(self.lm_head_weight, 8, kernels)
             if self.quantized_lm_head is not None:
                 self.quantized_lm_head.max_tokens = LM_HEAD_QUANT_MAX_ROWS
         if matmul_choice == "auto":
