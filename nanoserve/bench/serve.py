@@ -32,8 +32,10 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
+
+from nanoserve import envs
 
 WORDS = (
     "the city grew from a small river crossing into a busy market town merchants came from the coast with "
@@ -265,7 +267,7 @@ def _is_healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def local_server(data_parallel_size: int) -> Iterator[str]:
+def local_server(data_parallel_size: int) -> Generator[str]:
     """`nanoserve serve` on the bundled model with this many engines; yields its URL once /health says
     200. SIGTERM stops it (in-flight requests finish, exit 0); its session is killed only if that hangs.
     The server's log is kept, so a slow or failed run can be looked into afterwards."""
@@ -375,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("NANOSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        default=envs.api_key() or os.environ.get("OPENAI_API_KEY"),
         help="bearer token (default: $NANOSERVE_API_KEY or $OPENAI_API_KEY)",
     )
     parser.add_argument(

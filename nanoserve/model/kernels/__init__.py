@@ -14,9 +14,10 @@ import functools
 import hashlib
 import importlib.util
 import logging
-import os
 from pathlib import Path
 from types import ModuleType
+
+from nanoserve import envs
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 def _build_dir() -> Path:
-    return Path(os.environ.get("NANOSERVE_KERNEL_DIR") or Path.home() / ".cache" / "nanoserve" / "kernels")
+    return envs.kernel_dir()
 
 
 @functools.cache
@@ -44,8 +45,8 @@ def cpu_kernels() -> ModuleType | None:
     build_dir = _build_dir() / name
     library = build_dir / f"{name}.so"
     try:
-        if library.is_file():
-            spec = importlib.util.spec_from_file_location(name, library)
+        spec = importlib.util.spec_from_file_location(name, library) if library.is_file() else None
+        if spec is not None and spec.loader is not None:
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             return module
