@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from streams import count_tokens, spread_endless_requests
+from streams import count_tokens, spread_endless_requests, utilities_to_rank
 
 from nanoserve.config import EngineOptions
 from nanoserve.engine.core_client.base import EngineCoreClient
@@ -177,12 +177,8 @@ def test_coordinator_publishes_on_change_at_most_every_100ms_and_heartbeats():
 
 
 async def sleep_one_rank(client: DPLBAsyncMPClient, rank: int) -> None:
-    targets = client._utility_targets
-    client._utility_targets = lambda method: [rank]
-    try:
+    with utilities_to_rank(client, rank):
         await client.sleep_async(1)
-    finally:
-        client._utility_targets = targets
 
 
 # -- clients against engine processes -------------------------------------------------------------
@@ -343,10 +339,8 @@ def test_sync_client_sigkill_and_llm_offline_dp2_matches_dp1(tiny_gqa_dir):
     client = EngineCoreClient.make_client(True, False, DP2)
     try:
         assert type(client) is DPLBSyncMPClient
-        targets = client._utility_targets
-        client._utility_targets = lambda method: [0]
-        client.sleep(1)  # rank 0 asleep holds "k" until it is killed
-        client._utility_targets = targets
+        with utilities_to_rank(client, 0):
+            client.sleep(1)  # rank 0 asleep holds "k" until it is killed
         client.add_request(make_request("k", [1, 2], max_tokens=10**6))
         assert client.balancer.owner("k") == 0
         os.kill(client.engine_pids()[0], signal.SIGKILL)

@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from streams import count_tokens, spread_endless_requests
+from streams import count_tokens, spread_endless_requests, utilities_to_rank
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
@@ -101,10 +101,8 @@ def test_killed_actor_fails_its_requests_and_the_other_rank_serves_on(ray_cluste
         client = engine.engine_core
         try:
             # rank 1 asleep holds its requests, so none can finish before its actor is killed
-            targets = client._utility_targets
-            client._utility_targets = lambda method: [1]
-            await client.sleep_async(1)
-            client._utility_targets = targets
+            with utilities_to_rank(client, 1):
+                await client.sleep_async(1)
             tasks, on_rank_1 = await spread_endless_requests(engine)
 
             ray.kill(client.resources.engine_manager.actors[1])

@@ -6,9 +6,11 @@ Routes: /v1/completions, /v1/chat/completions, /v1/models (behind the API key wh
 Lifecycle: the engine is built before the server listens. SIGTERM (or SIGINT) stops accepting, lets
 in-flight requests finish for the grace period, shuts the engine down and exits 0. When the engine
 dies, open streams end with an error event, new requests get 503, /health says 503, and the process
-exits 1 (so a supervisor restarts it) unless told to stay up. With data parallel, a rank's death fails
-only its requests: /health stays 200 with a body saying "degraded" and naming the dead ranks, until
-the last rank dies.
+exits 1 (so a supervisor restarts it) unless told to stay up. With --engine-restarts the engine core
+is restarted instead, while the budget lasts: streams pause and go on, /health answers 200 with
+{"status": "restarting"} meanwhile, and /metrics counts restarts by rank. With data parallel, a rank's
+death fails only its requests: /health stays 200 with a body saying "degraded" and naming the dead
+ranks, until the last rank dies.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import contextlib
 import dataclasses
 import hmac
 import logging
-import os
+import math
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import nanoserve
+from nanoserve import envs
 from nanoserve.config import EngineOptions
 from nanoserve.engine.async_llm import AsyncLLM
 from nanoserve.engine.exceptions import EngineDeadError, EngineStartupError
@@ -47,8 +50,6 @@ from nanoserve.entrypoints.openai.protocol import (
 from nanoserve.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("nanoserve.server")
-
-API_KEY_ENV = "NANOSERVE_API_KEY"
 
 
 @dataclass
@@ -125,7 +126,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions, stat_logger: PrometheusS
     serving = OpenAIServing(engine, served_model_name)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncGenerator[None]:
         engine.start()
         yield
 
@@ -176,7 +177,12 @@ def build_app(engine: AsyncLLM, options: ServerOptions, stat_logger: PrometheusS
             await engine.check_health(options.health_hang_timeout)
         except EngineDeadError as e:
             return error_json(f"The engine is not healthy: {e}", 503, "service_unavailable")
-        dead = engine.dead_ranks
+        dead, restarting = engine.dead_ranks, engine.restarting_ranks
+        if restarting:  # within its restart budget: coming back, not gone
+            body: dict[str, Any] = {"status": "restarting", "restarting_ranks": restarting}
+            if dead:
+                body["dead_ranks"] = sorted(dead)
+            return JSONResponse(body)
         if dead:  # some data-parallel ranks still serve: healthy enough to keep, but say what is lost
             return JSONResponse(
                 {
@@ -250,6 +256,7 @@ async def _serve(engine_options: EngineOptions, options: ServerOptions) -> int:
     exit_code = 0
     try:
         stat_logger = PrometheusStatLogger(options.served_model_name or engine.model_name)
+        stat_logger.count_engine_restarts(lambda: engine.engine_restarts)
         engine.stat_loggers.append(stat_logger)
         app = build_app(engine, options, stat_logger)
         config = uvicorn.Config(
@@ -258,7 +265,7 @@ async def _serve(engine_options: EngineOptions, options: ServerOptions) -> int:
             port=options.port,
             log_level=options.log_level,
             access_log=False,
-            timeout_graceful_shutdown=options.shutdown_grace_period,
+            timeout_graceful_shutdown=math.ceil(options.shutdown_grace_period),
             timeout_keep_alive=5,
         )
         server = uvicorn.Server(config)
@@ -281,9 +288,10 @@ async def _serve(engine_options: EngineOptions, options: ServerOptions) -> int:
 
 
 async def _watch_engine(engine: AsyncLLM, server: uvicorn.Server, options: ServerOptions) -> bool:
-    """Wait for engine death; stop the server (returning True) unless it is shutting down or told to stay up."""
-    await engine.dead_event.wait()
-    if server.should_exit or not options.exit_on_engine_death:
+    """Wait for the engine's final death (a restart is not one); stop the server (returning True)
+    unless it is shutting down or told to stay up."""
+    await engine.wait_for_death()
+    if not engine.errored or server.should_exit or not options.exit_on_engine_death:
         return False
     logger.error("the engine core died; stopping the server (pass --no-exit-on-engine-death to stay up)")
     await asyncio.sleep(0.5)  # open streams send their error events first
@@ -294,6 +302,6 @@ async def _watch_engine(engine: AsyncLLM, server: uvicorn.Server, options: Serve
 def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
     fields = {f.name for f in dataclasses.fields(ServerOptions)}
     kwargs = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
-    if kwargs.get("api_key") is None and os.environ.get(API_KEY_ENV):
-        kwargs["api_key"] = os.environ[API_KEY_ENV]
+    if kwargs.get("api_key") is None:
+        kwargs["api_key"] = envs.api_key()
     return ServerOptions(**kwargs)

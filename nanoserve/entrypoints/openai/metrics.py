@@ -7,6 +7,8 @@ latest scheduler stats and what each batch of outputs did. It owns its registry,
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -15,6 +17,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from nanoserve.engine.async_llm import IterationStats
 from nanoserve.wire.messages import SchedulerStats
@@ -71,6 +75,7 @@ class PrometheusStatLogger:
     def __init__(self, model_name: str) -> None:
         disable_created_metrics()  # no `_created` series: they double the output and nobody plots them
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         labels = {"model_name": model_name}
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -79,7 +84,7 @@ class PrometheusStatLogger:
         def counter(name: str, doc: str) -> Counter:
             return Counter(f"nanoserve:{name}", doc, list(labels), registry=self.registry).labels(**labels)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(
                 f"nanoserve:{name}", doc, list(labels), buckets=buckets, registry=self.registry
             ).labels(**labels)
@@ -153,5 +158,27 @@ class PrometheusStatLogger:
             self.request_prompt_tokens.observe(finished.num_prompt_tokens)
             self.request_generation_tokens.observe(finished.num_generation_tokens)
 
+    def count_engine_restarts(self, restarts: Callable[[], dict[int, int]]) -> None:
+        """Export `nanoserve:engine_restarts_total` by rank, read from `restarts()` at each scrape."""
+        self.registry.register(_EngineRestarts(self.model_name, restarts))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineRestarts(Collector):
+    """The engine's own restart counts (the client layer keeps them), as a counter per rank."""
+
+    def __init__(self, model_name: str, restarts: Callable[[], dict[int, int]]) -> None:
+        self.model_name = model_name
+        self.restarts = restarts
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "nanoserve:engine_restarts",
+            "Engine-core restarts after a death, by rank.",
+            labels=["model_name", "rank"],
+        )
+        for rank, count in sorted(self.restarts().items()):
+            family.add_metric([self.model_name, str(rank)], count)
+        yield family
