@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= The capital of France is
 
-.PHONY: setup serve run test lint bench bench-ipc bench-peers clean
+.PHONY: setup serve run test test-web install-chromium lint bench bench-ipc bench-peers clean
 
 setup: $(STAMP)
 
@@ -25,7 +25,16 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check nanoserve tests
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q tests -m "not browser"
+
+# The web page's tests drive Debian's chromium through Playwright (never `playwright install`: no browser
+# downloads); it is installed here when missing (as root, as in CI).
+install-chromium:
+	test -x /usr/bin/chromium || (apt-get update && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium)
+
+test-web: $(STAMP) install-chromium
+	$(BIN)/pytest -q tests -m browser
 
 lint: $(STAMP)
 	$(BIN)/ruff check nanoserve tests

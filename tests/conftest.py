@@ -118,3 +118,10 @@ def tiny_model_dir(request, tmp_path_factory, tokenizer_dir) -> Path:
 def tiny_gqa_dir(tmp_path_factory, tokenizer_dir) -> Path:
     out = tmp_path_factory.mktemp("tiny-gqa")
     return build_tiny_llama(out, tokenizer_dir, **TINY_CONFIGS["gqa_tied"])
+
+
+@pytest.fixture(scope="session")
+def tiny_long_context_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """A tiny Llama with 16k positions: a generation long enough to stop half-way, even on a fast machine."""
+    out = tmp_path_factory.mktemp("tiny-long")
+    return build_tiny_llama(out, tokenizer_dir, max_position_embeddings=16384)

@@ -6,8 +6,8 @@ throughput, output tokens per second, time to first token and inter-token latenc
 Output tokens come from the final usage chunk (`stream_options.include_usage`); the inter-token latency
 is the gap between consecutive content events of one stream.
 
-The HTTP client is a few lines of asyncio (HTTP/1.1, chunked SSE) so that the benchmark needs nothing
-beyond the standard library and measures the server rather than a client library.
+Requests go through one httpx connection pool per level (as many connections as requests in flight,
+kept alive between requests); SSE `data:` lines are read as they arrive.
 
 `--compare-dp 1 2` ignores `--url`: it starts `nanoserve serve` (the bundled model) once per data-parallel
 size in turn, with `--num-threads cpus // N` per engine beyond one so the engines split the cores rather
@@ -24,18 +24,18 @@ import json
 import os
 import signal
 import socket
-import ssl
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
+import httpx
+
 from nanoserve import envs
+from nanoserve.bench.plot import plot_serve
 
 WORDS = (
     "the city grew from a small river crossing into a busy market town merchants came from the coast with "
@@ -60,73 +60,24 @@ def make_prompt(i: int, num_words: int) -> str:
     return f"Request {i}: " + " ".join(words)
 
 
-async def post_sse(url: str, body: dict, headers: dict[str, str]):
+async def post_sse(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str]):
     """POST `body` as JSON; yield each SSE `data:` payload as it arrives (raises on a non-200 status)."""
-    parts = urllib.parse.urlsplit(url)
-    is_tls = parts.scheme == "https"
-    port = parts.port or (443 if is_tls else 80)
-    reader, writer = await asyncio.open_connection(
-        parts.hostname, port, ssl=ssl.create_default_context() if is_tls else None, limit=2**20
-    )
-    try:
-        payload = json.dumps(body).encode()
-        head = [
-            f"POST {parts.path or '/'} HTTP/1.1",
-            f"Host: {parts.netloc}",
-            "Content-Type: application/json",
-            "Accept: text/event-stream",
-            f"Content-Length: {len(payload)}",
-            "Connection: close",
-            *(f"{k}: {v}" for k, v in headers.items()),
-        ]
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
-        await writer.drain()
-        status_line = await reader.readline()
-        status = int(status_line.split()[1])
-        response_headers = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode("latin-1").partition(":")
-            response_headers[name.strip().lower()] = value.strip()
-        chunked = response_headers.get("transfer-encoding", "").lower() == "chunked"
-        if status != 200:
-            raise RuntimeError(
-                f"HTTP {status}: {(await _read_body(reader, chunked, response_headers))[:300]!r}"
-            )
-        buffer = b""
-        async for data in _body_chunks(reader, chunked, response_headers):
-            buffer += data
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
-                for line in event.split(b"\n"):
-                    if line.startswith(b"data:"):
-                        yield line[5:].strip().decode()
-    finally:
-        writer.close()
+    async with client.stream("POST", url, json=body, headers=headers) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                yield line[5:].strip()
 
 
-async def _body_chunks(reader: asyncio.StreamReader, chunked: bool, headers: dict[str, str]):
-    if not chunked:
-        length = headers.get("content-length")
-        yield await (reader.readexactly(int(length)) if length is not None else reader.read())
-        return
-    while True:
-        size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
-        if size == 0:
-            return
-        yield await reader.readexactly(size)
-        await reader.readexactly(2)  # the CRLF after each chunk
-
-
-async def _read_body(reader: asyncio.StreamReader, chunked: bool, headers: dict[str, str]) -> bytes:
-    return b"".join([c async for c in _body_chunks(reader, chunked, headers)])
-
-
-async def run_one(url: str, body: dict, headers: dict[str, str], is_chat: bool) -> RequestResult:
+async def run_one(
+    client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str], is_chat: bool
+) -> RequestResult:
     result = RequestResult(ok=False)
     start = last = time.perf_counter()
     num_content_events = 0
     try:
-        async for data in post_sse(url, body, headers):
+        async for data in post_sse(client, url, body, headers):
             if data == "[DONE]":
                 break
             message = json.loads(data)
@@ -178,15 +129,19 @@ async def run_level(
             request["prompt"] = prompt
         return request
 
-    async def limited(i: int) -> RequestResult:
-        async with semaphore:
-            return await run_one(url, body(i), headers, is_chat)
+    # one connection per stream in flight, kept alive between requests as a real client pool does
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None)) as client:
 
-    warmup = args.warmup if args.warmup is not None else concurrency if args.compare_dp else 1
-    await asyncio.gather(*(limited(-1 - i) for i in range(warmup)))
-    start = time.perf_counter()
-    results = await asyncio.gather(*(limited(i) for i in range(args.num_prompts)))
-    return results, time.perf_counter() - start
+        async def limited(i: int) -> RequestResult:
+            async with semaphore:
+                return await run_one(client, url, body(i), headers, is_chat)
+
+        warmup = args.warmup if args.warmup is not None else concurrency if args.compare_dp else 1
+        await asyncio.gather(*(limited(-1 - i) for i in range(warmup)))
+        start = time.perf_counter()
+        results = await asyncio.gather(*(limited(i) for i in range(args.num_prompts)))
+        return results, time.perf_counter() - start
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -242,11 +197,10 @@ HEADER = (
 
 
 def first_model(base_url: str, api_key: str | None) -> str:
-    request = urllib.request.Request(base_url.rstrip("/") + "/v1/models")
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.load(response)["data"][0]["id"]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
 
 
 SERVER_START_TIMEOUT_S = 300
@@ -260,27 +214,29 @@ def free_port() -> int:
 
 def _is_healthy(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url + "/health", timeout=1) as response:
-            return response.status == 200
-    except OSError:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
         return False
 
 
+def dp_serve_args(data_parallel_size: int) -> list[str]:
+    """The bundled model with this many engines, each on its share of the cores."""
+    if data_parallel_size == 1:
+        return []
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cpus // data_parallel_size)
+    return ["--data-parallel-size", str(data_parallel_size), "--num-threads", str(threads)]
+
+
 @contextlib.contextmanager
-def local_server(data_parallel_size: int) -> Generator[str]:
-    """`nanoserve serve` on the bundled model with this many engines; yields its URL once /health says
-    200. SIGTERM stops it (in-flight requests finish, exit 0); its session is killed only if that hangs.
-    The server's log is kept, so a slow or failed run can be looked into afterwards."""
+def local_server(label: str, serve_args: list[str]) -> Generator[str]:
+    """`nanoserve serve *serve_args`; yields its URL once /health says 200. SIGTERM stops it (in-flight
+    requests finish, exit 0); its session is killed only if that hangs. The server's log is kept, so a
+    slow or failed run can be looked into afterwards."""
     port = free_port()
-    cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--port", str(port)]
-    if data_parallel_size > 1:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cpus // data_parallel_size)
-        cmd += ["--data-parallel-size", str(data_parallel_size), "--num-threads", str(threads)]
+    cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--port", str(port), *serve_args]
     url = f"http://127.0.0.1:{port}"
-    with tempfile.NamedTemporaryFile(
-        "w+b", prefix=f"nanoserve-dp{data_parallel_size}-", suffix=".log", delete=False
-    ) as log:
+    with tempfile.NamedTemporaryFile("w+b", prefix=f"nanoserve-{label}-", suffix=".log", delete=False) as log:
         print(f"$ nanoserve {' '.join(cmd[3:])}   (log: {log.name})", flush=True)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -389,20 +345,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="start `nanoserve serve` (bundled model) with each data-parallel size in turn instead of using "
         "--url, run the same load against each, and print them side by side (e.g. 1 2)",
     )
+    parser.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="draw tok/s and latency percentiles per concurrency"
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.compare_dp:
-        return 1 if run_levels(args)[1] else 0
+        stats, failed = run_levels(args)
+        if args.plot:
+            plot_serve(args.plot, {args.url: stats})
+        return 1 if failed else 0
     by_size, failed = {}, False
     for size in args.compare_dp:
-        with local_server(size) as url:
+        with local_server(f"dp{size}", dp_serve_args(size)) as url:
             args.url = url
             by_size[size], size_failed = run_levels(args)
         failed |= size_failed
     print(compare_report(by_size))
+    if args.plot:
+        plot_serve(args.plot, {f"DP{n}": stats for n, stats in by_size.items()})
     return 1 if failed else 0
 
 

@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         "-nokernels (--cpu-kernels off), e.g. mp-int4; and transformers",
     )
     parser.add_argument("--profile", action="store_true", help="write a torch profiler trace of a decode run")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw tok/s against batch size")
     args = parser.parse_args(argv)
 
     from nanoserve.entrypoints.llm import LLM
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     header = f"{'batch':>5}" + "".join(f"  {labels[n]:>20}" for n in names)
     header += "".join(f"  {names[0] + '/' + n:>18}" for n in names[1:])
     print(header)
+    curves: dict[str, list[float]] = {labels[n]: [] for n in names}
     for batch in batch_sizes:
         prompts = make_prompts(tokenizer, batch, args.prompt_len)
         samples: dict[str, list[float]] = {n: [] for n in names}
@@ -155,6 +157,12 @@ def main(argv: list[str] | None = None) -> None:
         row = f"{batch:>5}" + "".join(f"  {summarize(samples[n]):>20}" for n in names)
         row += "".join(f"  {medians[names[0]] / medians[n]:>17.2f}x" for n in names[1:])
         print(row, flush=True)
+        for name in names:
+            curves[labels[name]].append(medians[name])
+    if args.plot:
+        from nanoserve.bench.plot import plot_throughput
+
+        plot_throughput(args.plot, batch_sizes, curves)
 
     if args.profile and llms:
         llm = next(iter(llms.values()))

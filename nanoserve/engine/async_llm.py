@@ -49,8 +49,11 @@ class EngineHungError(EngineDeadError):
 
 @dataclass
 class FinishedRequestStats:
+    request_id: str
     finish_reason: str
     e2e_latency: float
+    time_to_first_token: float | None
+    """None when the request ended before its first token."""
     num_prompt_tokens: int
     num_generation_tokens: int
 
@@ -59,6 +62,8 @@ class FinishedRequestStats:
 class IterationStats:
     """What one batch of engine outputs did, for metrics."""
 
+    engine_index: int = 0
+    """The data-parallel rank that sent the batch (and the scheduler stats that come with it)."""
     num_prompt_tokens: int = 0
     """Prompt tokens of the requests that produced their first token in this batch."""
     num_generation_tokens: int = 0
@@ -78,6 +83,17 @@ class _RequestTiming:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_generation_tokens: int = 0
+
+    def finished(self, request_id: str, finish_reason: str, now: float) -> FinishedRequestStats:
+        ttft = self.first_token_time - self.arrival_time if self.first_token_time is not None else None
+        return FinishedRequestStats(
+            request_id,
+            finish_reason,
+            now - self.arrival_time,
+            ttft,
+            self.num_prompt_tokens,
+            self.num_generation_tokens,
+        )
 
 
 class RequestStream:
@@ -312,14 +328,7 @@ class AsyncLLM:
             self.streams.pop(rid, None)
             timing = self._timings.pop(rid, None)
             if timing is not None:
-                stats.finished.append(
-                    FinishedRequestStats(
-                        finish_reason,
-                        now - timing.arrival_time,
-                        timing.num_prompt_tokens,
-                        timing.num_generation_tokens,
-                    )
-                )
+                stats.finished.append(timing.finished(rid, finish_reason, now))
         self._log_stats(None, stats)
         return engine_ids
 
@@ -359,7 +368,7 @@ class AsyncLLM:
             self._fail_all(error)
 
     async def _process_slice(self, engine_outputs: EngineCoreOutputs, last: bool) -> None:
-        stats = IterationStats()
+        stats = IterationStats(engine_index=engine_outputs.engine_index)
         now = time.monotonic()
         for output in engine_outputs.outputs:
             state = self.output_processor.engine_to_request.get(output.request_id)
@@ -385,14 +394,8 @@ class AsyncLLM:
                 self.streams.pop(request_output.request_id, None)
                 timing = self._timings.pop(request_output.request_id, None)
                 if timing is not None:
-                    stats.finished.append(
-                        FinishedRequestStats(
-                            _finish_reason(request_output.outputs),
-                            now - timing.arrival_time,
-                            timing.num_prompt_tokens,
-                            timing.num_generation_tokens,
-                        )
-                    )
+                    reason = _finish_reason(request_output.outputs)
+                    stats.finished.append(timing.finished(request_output.request_id, reason, now))
         if to_abort:
             await self.engine_core.abort_requests_async(to_abort)
         self._log_stats(engine_outputs.scheduler_stats if last else None, stats)

@@ -8,8 +8,8 @@ from nanoserve.entrypoints.cli import add_engine_args
 
 DESCRIPTION = """\
 Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
-/health, /version, /metrics). The engine core runs in a child process. With no --model it serves the
-bundled SmolLM2-135M-Instruct.
+/health, /version, /metrics), and a chat and live dashboard page at / (--no-web turns it off). The
+engine core runs in a child process. With no --model it serves the bundled SmolLM2-135M-Instruct.
 
 example:
   nanoserve serve --port 8000
@@ -63,6 +63,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="exit with status 1 when the engine core dies, so a supervisor restarts the server (default: on)",
     )
     group.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None)
+    group.add_argument(
+        "--no-web",
+        dest="web",
+        action="store_false",
+        default=None,
+        help="no chat and dashboard page at / (nor its data endpoint)",
+    )
+    group.add_argument(
+        "--root-path",
+        default=None,
+        help="the path prefix a reverse proxy serves this server under and strips, e.g. /nanoserve",
+    )
     add_engine_args(parser)
     parser.set_defaults(func=run_serve)
 

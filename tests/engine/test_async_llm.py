@@ -91,6 +91,10 @@ def test_concurrent_requests_n_and_stats(tiny_gqa_dir):
     assert sum(s.num_generation_tokens for s in recorded) == sum(2 * (5 + i) for i in range(8))
     finished = [f for s in recorded for f in s.finished]
     assert len(finished) == 8 and all(f.finish_reason == "length" for f in finished)
+    assert sorted(f.request_id for f in finished) == [f"r{i}" for i in range(8)]
+    assert all(
+        f.time_to_first_token is not None and 0 < f.time_to_first_token <= f.e2e_latency for f in finished
+    )
     assert sum(len(s.time_to_first_tokens) for s in recorded) == 8
 
 

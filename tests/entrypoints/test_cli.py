@@ -102,3 +102,16 @@ def test_generate_bad_input_exits_with_message(tiny_gqa_dir):
 def test_usage_errors(args):
     result = run_cli(*args, timeout=60)
     assert result.returncode == 2 and "usage:" in result.stderr
+
+
+def test_web_server_flags_map_to_options():
+    from nanoserve.entrypoints.openai.api_server import server_options_from_args
+
+    parse = build_parser().parse_args
+    options = server_options_from_args(parse(["serve", "--no-web", "--root-path", "/nanoserve"]))
+    assert options.web is False and options.root_path == "/nanoserve"
+    options = server_options_from_args(parse(["serve"]))
+    assert options.web is True and options.root_path == ""
+    for bad in ("nanoserve", "/nanoserve/"):
+        with pytest.raises(ValueError, match="root_path"):
+            server_options_from_args(parse(["serve", "--root-path", bad]))

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,72 +19,10 @@ from pathlib import Path
 
 import httpx
 import openai
-import psutil
 import pytest
+from servers import Server
 
 API_KEY = "test-key"
-STARTUP_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model_dir: Path, log_path: Path, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--model", str(model_dir)]
-        cmd += ["--dtype", "float32", "--port", str(self.port), "--max-model-len", "512", *extra]
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        self.wait_healthy()
-
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not healthy within {STARTUP_TIMEOUT_S} s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def engine_pid(self) -> int:
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            if "EngineCore" in " ".join(child.cmdline()):
-                return child.pid
-        raise AssertionError("no engine core child found")
-
-    def stop(self) -> None:
-        """Kill the server and every process it started (they share its session)."""
-        try:
-            children = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            children = []
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        for child in children:
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(children, timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -80,3 +80,14 @@ def test_decode_attention_matches_reference(kernels, two_threads, head_dim, dtyp
     torch.testing.assert_close(
         out.float(), _reference(q, kv_cache, block_table, seq_lens), atol=tolerance, rtol=0
     )
+
+
+def test_builds_are_kept_apart_per_cpu():
+    """-march=native code built on one CPU must not be loaded on another sharing the home folder."""
+    from nanoserve.model.kernels import cpu_identity, library_name
+
+    here = cpu_identity()
+    assert here.strip()
+    assert library_name(here) == library_name(here)
+    assert library_name(here) != library_name(here + " amx_tile")
+    assert library_name(here) != library_name("x86_64 Another CPU fpu sse2 avx2")

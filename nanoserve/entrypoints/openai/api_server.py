@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over one AsyncLLM, run by uvicorn.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (behind the API key when one is set),
-/health, /version, /metrics. Every error is answered in OpenAI's format.
+/health, /version, /metrics, and the web page at / with its dashboard data (`web.py`; off with
+--no-web). Every error is answered in OpenAI's format.
 
 Lifecycle: the engine is built before the server listens. SIGTERM (or SIGINT) stops accepting, lets
 in-flight requests finish for the grace period, shuts the engine down and exits 0. When the engine
@@ -48,6 +49,7 @@ from nanoserve.entrypoints.openai.protocol import (
     ModelList,
 )
 from nanoserve.entrypoints.openai.serving import OpenAIServing
+from nanoserve.entrypoints.openai.web import STATS_PATH, mount_web
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -66,25 +68,39 @@ class ServerOptions:
     """Seconds in-flight requests may take to finish after SIGTERM."""
     exit_on_engine_death: bool = True
     log_level: str = "info"
+    web: bool = True
+    """The chat and dashboard page at / (and its data endpoint)."""
+    root_path: str = ""
+    """The path prefix a proxy serves us under (and strips), e.g. /nanoserve."""
+
+    def __post_init__(self) -> None:
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(
+                f"root_path must start with '/' and not end with one (e.g. /nanoserve), got {self.root_path!r}."
+            )
 
 
 # -- middleware -------------------------------------------------------------------------------
 
 
 class GuardMiddleware:
-    """Refuses oversized bodies (413) and, for /v1 routes, requests without the bearer token (401)."""
+    """Refuses oversized bodies (413) and, on protected routes, requests without the bearer token (401)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, max_body_bytes: int, protected: tuple[str, ...]
+    ) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.protected = protected
+        """Path prefixes behind the API key."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key is not None and scope["path"].startswith("/v1"):
+        if self.api_key is not None and route_path(scope).startswith(self.protected):
             token = headers.get("authorization", "")
             scheme, _, value = token.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
@@ -118,6 +134,12 @@ class GuardMiddleware:
         await self.app(scope, limited_receive, send)
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes see: behind --root-path the server receives the prefix as part of the path."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root + "/") else path
+
+
 # -- the app ----------------------------------------------------------------------------------
 
 
@@ -132,7 +154,10 @@ def build_app(engine: AsyncLLM, options: ServerOptions, stat_logger: PrometheusS
 
     app = FastAPI(title="nanoserve", version=nanoserve.__version__, lifespan=lifespan)
     app.add_middleware(
-        GuardMiddleware, api_key=options.api_key, max_body_bytes=options.max_request_body_bytes
+        GuardMiddleware,
+        api_key=options.api_key,
+        max_body_bytes=options.max_request_body_bytes,
+        protected=("/v1", STATS_PATH) if options.web else ("/v1",),
     )
     app.state.engine = engine
     app.state.serving = serving
@@ -215,6 +240,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions, stat_logger: PrometheusS
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await serving.create_chat_completion(request, raw_request)
 
+    if options.web:
+        mount_web(app, engine, served_model_name)
     return app
 
 
@@ -267,6 +294,7 @@ async def _serve(engine_options: EngineOptions, options: ServerOptions) -> int:
             access_log=False,
             timeout_graceful_shutdown=math.ceil(options.shutdown_grace_period),
             timeout_keep_alive=5,
+            root_path=options.root_path,
         )
         server = uvicorn.Server(config)
         watchdog = asyncio.create_task(_watch_engine(engine, server, options))
@@ -276,6 +304,8 @@ async def _serve(engine_options: EngineOptions, options: ServerOptions) -> int:
             options.host,
             options.port,
         )
+        if options.web:
+            logger.info("chat and dashboard page on http://%s:%d/", options.host, options.port)
         await server.serve()
         if watchdog.done() and not watchdog.cancelled() and watchdog.result():
             exit_code = 1

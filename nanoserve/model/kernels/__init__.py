@@ -2,7 +2,8 @@
 
 The build takes about half a minute once; `python -m nanoserve.model.kernels` does it ahead of time
 (make setup does). The library lands in NANOSERVE_KERNEL_DIR (default ~/.cache/nanoserve/kernels) under
-a name that hashes the source and flags, and a later process imports it directly: torch's loader would
+a name that hashes the source, the flags and the CPU (`-march=native` code built on one CPU may not run on
+another that shares the home folder), and a later process imports it directly: torch's loader would
 take a lock file and rerun ninja in every engine start, and a process killed while holding that lock
 leaves every later start waiting on it. Where the kernels cannot be built (no compiler), the engine keeps
 to its pure-PyTorch paths.
@@ -14,6 +15,7 @@ import functools
 import hashlib
 import importlib.util
 import logging
+import platform
 from pathlib import Path
 from types import ModuleType
 
@@ -30,6 +32,28 @@ def _build_dir() -> Path:
     return envs.kernel_dir()
 
 
+def cpu_identity() -> str:
+    """The CPU model and feature flags `-march=native` compiles for (Linux: from /proc/cpuinfo)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    fields: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return " ".join((platform.machine(), fields.get("model name", ""), fields.get("flags", "")))
+
+
+def library_name(cpu: str) -> str:
+    """Where a build lives: one per source, flags, torch version and CPU."""
+    import torch
+
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    digest.update(" ".join(FLAGS).encode() + torch.__version__.encode() + cpu.encode())
+    return f"nanoserve_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The module with `paged_decode_attention(q [S, H, D], kv_cache, block_table int32 [S, B], seq_lens
@@ -37,11 +61,7 @@ def cpu_kernels() -> ModuleType | None:
     `rms_norm(x [T, hidden], weight, eps)` and `silu_and_mul(x [T, 2 I]) -> [T, I]`, bfloat16 or float32,
     and `quant_matmul(x, codes, scales, bits)` where `quant_matmul_supported()` (see
     nanoserve.model.quant); None when it cannot be built here."""
-    import torch
-
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
-    digest.update(" ".join(FLAGS).encode() + torch.__version__.encode())
-    name = f"nanoserve_cpu_kernels_{digest.hexdigest()[:12]}"
+    name = library_name(cpu_identity())
     build_dir = _build_dir() / name
     library = build_dir / f"{name}.so"
     try:
