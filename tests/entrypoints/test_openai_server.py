@@ -518,7 +518,7 @@ def test_engine_hang_then_sigkill_mid_stream_health_503_and_stream_error(own_ser
     elapsed = time.monotonic() - killed_at
     response.close()
     http.close()
-    assert elapsed < 2.0, elapsed
+    assert elapsed < 10, elapsed  # about 0.1 s when idle; the margin is for a loaded machine
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2][len("data: ") :])["error"]
     assert error["code"] == 503 and "killed by SIGKILL" in error["message"]
