@@ -144,7 +144,7 @@ def wait_until(condition, timeout: float = RESTART_WAIT_S) -> None:
 
 @pytest.mark.timeout(300)
 def test_sync_client_restarts_a_killed_engine_and_resumes_its_requests(tiny_gqa_dir):
-    requests = mixed_requests(6, max_tokens=150)
+    requests = mixed_requests(6, max_tokens=300)
     client = SyncMPClient(tiny_options(tiny_gqa_dir))
     try:
         expected = run_sync(client, requests)
@@ -164,8 +164,8 @@ def test_llm_generate_across_an_engine_kill_matches_an_undisturbed_run(tiny_gqa_
 
     prompts = ["The quick brown fox", "Hello there", "One two three four five", "a b c", "Once upon"]
     params = [
-        SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True),
-        SamplingParams(temperature=0.8, top_k=5, seed=3, max_tokens=120, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=5, seed=3, max_tokens=300, ignore_eos=True),
     ]
     params = [params[i % 2] for i in range(len(prompts))]
     llm = LLM(str(tiny_gqa_dir), engine_restarts=1, dtype="float32", num_kv_blocks=256, num_threads=1)
@@ -193,7 +193,7 @@ def test_llm_generate_across_an_engine_kill_matches_an_undisturbed_run(tiny_gqa_
         for want, have in zip(expected, got, strict=True):
             assert have.outputs[0].token_ids == want.outputs[0].token_ids
             assert have.outputs[0].text == want.outputs[0].text
-            assert len(have.outputs[0].token_ids) == 120
+            assert len(have.outputs[0].token_ids) == 300
     finally:
         llm.shutdown()
 
@@ -208,8 +208,8 @@ async def stream_text(engine, prompt: str, params: SamplingParams, request_id: s
 
 def stream_params(i: int) -> SamplingParams:
     if i % 2:
-        return SamplingParams(temperature=0.9, top_k=5, seed=40 + i, max_tokens=150, ignore_eos=True)
-    return SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+        return SamplingParams(temperature=0.9, top_k=5, seed=40 + i, max_tokens=400, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 
 async def run_streams(engine, n: int, prefix: str, kill=None) -> list[str]:
@@ -222,8 +222,8 @@ async def run_streams(engine, n: int, prefix: str, kill=None) -> list[str]:
     ]
     if kill is not None:
         deadline = time.monotonic() + RESTART_WAIT_S
-        while not (len(progress) == n and min(progress.values()) >= 3):
-            assert time.monotonic() < deadline and not any(t.done() for t in tasks)
+        while not (len(progress) == n and min(progress.values()) >= 2):
+            assert time.monotonic() < deadline and not [t.result() for t in tasks if t.done()]
             await asyncio.sleep(0.01)
         kill()
     return list(await asyncio.wait_for(asyncio.gather(*tasks), RESTART_WAIT_S))

@@ -331,6 +331,9 @@ class RayEngineManager:
             self._stopping.set()
             if self._watcher is not None and self._watcher is not threading.current_thread():
                 self._watcher.join(WATCH_INTERVAL_S * 5)
+            with self._lock:  # whoever still waits on a sentinel wakes (at EOF) and sees the shutdown
+                for ranked in self._ranks.values():
+                    ranked.write_end.close()
             _SESSION.leave()
 
     def _stop_actors(self, timeout: float) -> None:

@@ -141,5 +141,6 @@ class RankWatcher:
 
 
 def _log_restore_failure(future: Future) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        logger.error("a restarted engine core could not be put back to sleep: %s", future.exception())
+    error = None if future.cancelled() else future.exception()
+    if error is not None and not isinstance(error, EngineDeadError):  # a death speaks for itself
+        logger.error("a restarted engine core could not be put back to sleep: %s", error)

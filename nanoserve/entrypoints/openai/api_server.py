@@ -53,6 +53,10 @@ from nanoserve.entrypoints.openai.web import STATS_PATH, mount_web
 
 logger = logging.getLogger("nanoserve.server")
 
+STREAM_ERRORS_GRACE_S = 0.5
+"""After the engine's final death, how long open streams get to send their error events before the
+server stops."""
+
 
 @dataclass
 class ServerOptions:
@@ -324,7 +328,7 @@ async def _watch_engine(engine: AsyncLLM, server: uvicorn.Server, options: Serve
     if not engine.errored or server.should_exit or not options.exit_on_engine_death:
         return False
     logger.error("the engine core died; stopping the server (pass --no-exit-on-engine-death to stay up)")
-    await asyncio.sleep(0.5)  # open streams send their error events first
+    await asyncio.sleep(STREAM_ERRORS_GRACE_S)
     server.should_exit = True
     return True
 

@@ -143,6 +143,8 @@ class PrometheusStatLogger:
             ):
                 if new > old:
                     metric.inc(new - old)
+                elif new < old:  # a restarted engine counts from zero again
+                    metric.inc(new)
             self._last_totals = totals
         if stats.num_prompt_tokens:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
