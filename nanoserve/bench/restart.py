@@ -55,7 +55,8 @@ def time_recovery(
                 resumed[output.request_id] = time.monotonic()
             counts[output.request_id] = len(output.outputs[0].token_ids)
         if killed_at is None and min(counts.values()) >= tokens_before_kill:
-            assert max(counts.values()) < max_tokens, "requests finished before the kill: raise --max-tokens"
+            # with --runner null the first request can run thousands of steps while the last is added
+            assert max(counts.values()) < max_tokens, "a request finished before the kill: raise --max-tokens"
             pid = client.engine_pids()[0]
             killed_at = time.monotonic()
             os.kill(pid, signal.SIGKILL)
