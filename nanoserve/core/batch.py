@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+import torch
 
 from nanoserve.core.request import Request
 
@@ -27,6 +30,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     """Decodes first, then prefills, in the order the runner lays out the batch."""
     preempted_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Future[torch.Tensor] | None = None
+    """Being filled while the model runs: one row per sampling chunk with a grammar, in chunk order."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -45,3 +50,5 @@ class RunnerOutput:
     sampled_token_ids: list[int]
     logprobs: list[list[tuple[int, float]] | None]
     """Per sampled token: [(sampled_id, logprob), (top_id, logprob)...], or None when not requested."""
+    prompt_logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
+    """Request id -> the prompt logprobs this step computed, continuing `Request.prompt_logprobs`."""

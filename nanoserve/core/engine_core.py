@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from nanoserve import envs
 from nanoserve.config import EngineOptions
 from nanoserve.core.request import Request, RequestStatus
 from nanoserve.core.scheduler import Scheduler
+from nanoserve.structured_output import GrammarCompiler, GrammarMatcher
 from nanoserve.wire.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -30,6 +31,8 @@ from nanoserve.wire.messages import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+GRAMMAR_WAIT_S = 0.01
+"""How long a step with nothing to run waits for a compiling grammar before returning (no busy spin)."""
 UTILITIES = (
     "reset_prefix_cache",
     "profile",
@@ -80,6 +83,9 @@ class EngineCore:
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         self.scheduler = Scheduler(options, self.num_kv_blocks, self.max_model_len)
 
+        self.grammars = GrammarCompiler(self._load_tokenizer, self.runner.vocab_size)
+        self._compiling: dict[str, tuple[Request, Future[GrammarMatcher]]] = {}
+        """Structured-output requests whose matcher is still being built."""
         self._pending_outputs: list[EngineCoreOutput] = []
         self._held_requests: list[Request] = []
         """Requests that arrived while the engine sleeps or waits to sleep; admitted on wake_up."""
@@ -96,6 +102,11 @@ class EngineCore:
             max_num_seqs=options.max_num_seqs,
             max_num_batched_tokens=options.max_num_batched_tokens,
         )
+
+    def _load_tokenizer(self):
+        from nanoserve.model.loader import load_tokenizer, resolve_model_path
+
+        return load_tokenizer(resolve_model_path(self.options.model))
 
     def _num_kv_blocks(self) -> int:
         if self.options.num_kv_blocks is not None:
@@ -139,6 +150,11 @@ class EngineCore:
         room = self.max_model_len - len(request.prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         engine_request = Request.from_engine_core_request(request, max_tokens)
+        spec = params.structured_outputs
+        if spec is not None:
+            # a resumed request has output tokens already: its matcher starts after them
+            future = self.grammars.matcher(spec, engine_request.output_token_ids)
+            self._compiling[engine_request.request_id] = (engine_request, future)
         if self._sleep_level or self._sleep_waiters:
             self._held_requests.append(engine_request)
         else:
@@ -195,10 +211,16 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         outputs, self._pending_outputs = self._pending_outputs, []
         if not self._sleep_level:
+            outputs.extend(self._attach_grammars())
             scheduled = self.scheduler.schedule()
             if not scheduled.is_empty:
+                matchers = [c.request.grammar for c in scheduled.chunks if c.samples and c.request.grammar]
+                if matchers:  # filled while the model runs
+                    scheduled.grammar_bitmask = self.grammars.fill_bitmask(matchers)
                 runner_output = self.runner.execute(scheduled)
                 outputs.extend(self.scheduler.update_from_output(scheduled, runner_output))
+            elif self._compiling and not outputs:
+                wait([f for _, f in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
         finished = {o.request_id for o in outputs if o.finish_reason is not None}
         return EngineCoreOutputs(
             engine_index=self.engine_rank,
@@ -207,6 +229,24 @@ class EngineCore:
             timestamp=time.monotonic(),
             finished_requests=finished or None,
         )
+
+    def _attach_grammars(self) -> list[EngineCoreOutput]:
+        """Attach the matchers compiled since the last step; fail the requests whose grammar failed."""
+        outputs: list[EngineCoreOutput] = []
+        for request_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            if request.is_finished:
+                continue
+            error = future.exception()
+            if error is None:
+                request.grammar = future.result()
+            else:
+                outputs.extend(
+                    self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ERROR, str(error))
+                )
+        return outputs
 
     def post_step(self) -> None:
         """Complete a pending sleep(mode="wait") once the running requests have finished."""
@@ -302,6 +342,7 @@ class EngineCore:
         self.runner.save_state(path)
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         if self._profiler is not None:
             self.profile(is_start=False)
         for future, _ in self._sleep_waiters:

@@ -7,6 +7,7 @@ import enum
 import torch
 
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured_output import GrammarMatcher
 from nanoserve.wire.messages import EngineCoreRequest, FinishReason
 
 
@@ -68,8 +69,16 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.queued_time = 0.0
+        self.scheduled_time = 0.0
+        """time.monotonic() when the scheduler queued the request and when it first scheduled it."""
         self.block_hashes: list[int] = []
         """Chained hashes of this request's full blocks, maintained by the KV cache manager."""
+        self.prompt_logprobs: list[list[tuple[int, float]]] = []
+        """Per prompt token from the second on: [(its id, logprob), (top1 id, logprob), ...], as the
+        prefill computes them; sent with the first sampled token."""
+        self.grammar: GrammarMatcher | None = None
+        """The structured-output matcher, attached once its grammar is compiled."""
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
@@ -77,10 +86,10 @@ class Request:
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest, max_tokens: int) -> Request:
         """The engine's request for a wire request. A resumed request (replayed after an engine restart)
-        starts with its delivered tokens as output already produced, and every piece of state that
-        follows from output tokens is brought to that point here: the seeded generator has drawn once
-        per sampled token (greedy rows draw nothing), and per-request decoding state added later
-        (a structured-output grammar) must be advanced by the same tokens in this place."""
+        starts with its delivered tokens as output already produced, and the state that follows from
+        output tokens is brought to that point: here the seeded generator, which has drawn once per
+        sampled token (greedy rows draw nothing); the structured-output matcher is built past them when
+        the engine admits the request (`EngineCore.add_request`)."""
         engine_request = cls(
             request.request_id,
             request.prompt_token_ids,
@@ -112,6 +121,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_awaiting_grammar(self) -> bool:
+        return self.sampling_params.structured_outputs is not None and self.grammar is None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while some prompt token's logprobs are still to be computed."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -12,6 +12,7 @@ applies the stop conditions and frees finished requests.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -50,6 +51,7 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        request.queued_time = time.monotonic()
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -100,6 +102,7 @@ class Scheduler:
             i += 1
 
         # Admitting new work in a step that had to preempt would only thrash the cache.
+        awaiting_grammar: list[Request] = []
         while (
             self.waiting
             and budget > 0
@@ -107,18 +110,24 @@ class Scheduler:
             and not out.preempted_request_ids
         ):
             request = self.waiting[0]
-            num_cached = kv.get_computed_blocks(request)
+            if request.is_awaiting_grammar:  # its grammar compiles off-thread; the others go on
+                awaiting_grammar.append(self.waiting.popleft())
+                continue
+            # prompt logprobs need every prompt position computed, so no prefix-cache hits
+            num_cached = 0 if request.needs_prompt_logprobs else kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
             if not kv.allocate_slots(request, num_new, num_cached):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
+                request.scheduled_time = time.monotonic()
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, num_new, kv.block_ids(request.request_id)))
             budget -= num_new
+        self.waiting.extendleft(reversed(awaiting_grammar))
         return out
 
     def _preempt(self, request: Request) -> None:
@@ -142,6 +151,7 @@ class Scheduler:
             samples = chunk.samples  # read before advancing: it compares against num_computed_tokens
             request.num_computed_tokens += chunk.num_new_tokens
             self.kv_cache.cache_computed_blocks(request)
+            request.prompt_logprobs.extend(out.prompt_logprobs.get(request.request_id, ()))
             if not samples:
                 continue
             j = index.get(request.request_id)
@@ -149,12 +159,16 @@ class Scheduler:
                 continue
             token = out.sampled_token_ids[j]
             request.append_output_token(token)
-            status = self._check_stop(request, token)
+            error = None
+            if request.grammar is not None and not request.grammar.accept(token):
+                error = f"The sampled token {token} breaks the structured output: {request.grammar.error}"
+            status = RequestStatus.FINISHED_ERROR if error else self._check_stop(request, token)
             if status is not None:
                 request.status = status
                 self._free(request)
                 any_finished = True
             logprobs = out.logprobs[j] if j < len(out.logprobs) else None
+            is_first = request.num_output_tokens == 1
             outputs.append(
                 EngineCoreOutput(
                     request.request_id,
@@ -163,6 +177,12 @@ class Scheduler:
                     finish_reason=None if status is None else status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    queued_time=request.queued_time if is_first else 0.0,
+                    scheduled_time=request.scheduled_time if is_first else 0.0,
+                    error=error,
+                    prompt_logprobs=request.prompt_logprobs
+                    if is_first and request.sampling_params.prompt_logprobs is not None
+                    else None,
                 )
             )
         if any_finished:
@@ -171,6 +191,8 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
+        if request.grammar is not None and request.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             if token == request.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
@@ -188,9 +210,9 @@ class Scheduler:
     # ---- finish from outside ---------------------------------------------------------------------
 
     def finish_requests(
-        self, request_ids: str | Iterable[str], status: RequestStatus
+        self, request_ids: str | Iterable[str], status: RequestStatus, error: str | None = None
     ) -> list[EngineCoreOutput]:
-        """Finish requests from outside the step (abort, error); unknown ids are ignored."""
+        """Finish requests from outside the step (abort, error: why); unknown ids are ignored."""
         assert status.is_finished, status
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
@@ -212,6 +234,7 @@ class Scheduler:
                     [],
                     finish_reason=status.finish_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    error=error,
                 )
             )
         if finished:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -35,7 +36,7 @@ from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.processor import Conversation, Processor, PromptType
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.wire.messages import EngineCoreOutputs, EngineDeathRecord, SchedulerStats
+from nanoserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineDeathRecord, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,14 @@ class FinishedRequestStats:
     """None when the request ended before its first token."""
     num_prompt_tokens: int
     num_generation_tokens: int
+    queue_time: float | None = None
+    """Queued -> first scheduled; this and the phases below are None for a request that got no token."""
+    prefill_time: float | None = None
+    """First scheduled -> first token."""
+    decode_time: float | None = None
+    """First token -> last token."""
+    inference_time: float | None = None
+    """First scheduled -> last token."""
 
 
 @dataclass
@@ -83,10 +92,26 @@ class _RequestTiming:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_generation_tokens: int = 0
+    # the engine's clock (its outputs' timestamps), which the frontend's need not share
+    queued_time: float | None = None
+    scheduled_time: float | None = None
+    first_token_engine_time: float | None = None
+    last_token_engine_time: float | None = None
+
+    def add_tokens(self, output: EngineCoreOutput, now: float, engine_now: float) -> None:
+        if output.scheduled_time:  # the first token of a sample; with n > 1 the earliest sample counts
+            self.queued_time = min(self.queued_time or output.queued_time, output.queued_time)
+            self.scheduled_time = min(self.scheduled_time or output.scheduled_time, output.scheduled_time)
+        if self.first_token_engine_time is None:
+            self.first_token_engine_time = engine_now
+        self.last_token_engine_time = engine_now
+        self.first_token_time = self.first_token_time or now
+        self.last_token_time = now
+        self.num_generation_tokens += len(output.new_token_ids)
 
     def finished(self, request_id: str, finish_reason: str, now: float) -> FinishedRequestStats:
         ttft = self.first_token_time - self.arrival_time if self.first_token_time is not None else None
-        return FinishedRequestStats(
+        stats = FinishedRequestStats(
             request_id,
             finish_reason,
             now - self.arrival_time,
@@ -94,6 +119,13 @@ class _RequestTiming:
             self.num_prompt_tokens,
             self.num_generation_tokens,
         )
+        first, last = self.first_token_engine_time, self.last_token_engine_time
+        if self.queued_time is not None and self.scheduled_time is not None and first and last:
+            stats.queue_time = self.scheduled_time - self.queued_time
+            stats.prefill_time = first - self.scheduled_time
+            stats.decode_time = last - first
+            stats.inference_time = last - self.scheduled_time
+        return stats
 
 
 class RequestStream:
@@ -149,6 +181,8 @@ class AsyncLLM:
         self.engine_core = EngineCoreClient.make_client(True, True, options)
         ready = self.engine_core.ready_response
         self.max_model_len = ready.max_model_len
+        self.max_num_seqs = ready.max_num_seqs
+        """Sequences the engine runs at once (summed over data-parallel ranks); more wait in its queue."""
         self.processor = Processor.for_engine(self.tokenizer, ready)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.streams: dict[str, RequestStream] = {}
@@ -196,6 +230,11 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._output_handler is not None and not self._output_handler.done()
 
+    @property
+    def num_unfinished_seqs(self) -> int:
+        """Engine requests in flight (a request with n samples counts n), running or waiting."""
+        return len(self.output_processor.engine_to_request)
+
     def _silent_since(self) -> float:
         """The hang clock's start: the last output, becoming busy, or an engine's return from a restart."""
         return max(self.last_output_time, self.engine_core.liveness.revived_at)
@@ -233,19 +272,25 @@ class AsyncLLM:
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def tokenize(self, prompt: PromptType) -> dict[str, Any]:
+    async def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> dict[str, Any]:
         """{"prompt": text or None, "prompt_token_ids": [...]}, tokenized off the event loop."""
         if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt):
-            text, ids = await self._in_pool(self.processor.tokenize, prompt)
+            text, ids = await self._in_pool(self.processor.tokenize, prompt, add_special_tokens)
         else:
             text, ids = self.processor.tokenize(prompt)
         return {"prompt": text, "prompt_token_ids": ids}
 
     async def render_chat(
-        self, conversation: Conversation, add_generation_prompt: bool = True
+        self, conversation: Conversation, add_generation_prompt: bool = True, **options: Any
     ) -> dict[str, Any]:
-        """The conversation through the model's chat template, tokenized off the event loop."""
-        return await self._in_pool(self.processor.render_chat, conversation, add_generation_prompt)
+        """The conversation through the chat template, tokenized off the event loop; options are
+        `Processor.render_chat`'s (tools, chat_template, continue_final_message, add_special_tokens)."""
+        render = functools.partial(self.processor.render_chat, **options)
+        return await self._in_pool(render, conversation, add_generation_prompt)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """Token ids -> text, off the event loop; ValueError for ids outside the vocabulary."""
+        return await self._in_pool(self.processor.detokenize, token_ids)
 
     async def _in_pool(self, fn: Callable, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
@@ -339,6 +384,23 @@ class AsyncLLM:
             except EngineDeadError:
                 pass  # the engine is gone, and its requests with it
 
+    # -- sleep mode -----------------------------------------------------------------------------
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Free the KV cache and offload (level 1) or drop (level 2) the weights; see EngineCore.sleep."""
+        await self._live_client().sleep_async(level, mode)
+
+    async def wake_up(self) -> None:
+        await self._live_client().wake_up_async()
+
+    async def is_sleeping(self) -> bool:
+        return await self._live_client().is_sleeping_async()
+
+    def _live_client(self) -> EngineCoreClient:
+        self._ensure_alive()
+        assert self.engine_core is not None, "a live AsyncLLM has its client"
+        return self.engine_core
+
     # -- the output handler ---------------------------------------------------------------------
 
     async def _run_output_handler(self) -> None:
@@ -377,13 +439,11 @@ class AsyncLLM:
                 continue
             num_new = len(output.new_token_ids)
             if timing.first_token_time is None:
-                timing.first_token_time = now
                 stats.time_to_first_tokens.append(now - timing.arrival_time)
                 stats.num_prompt_tokens += timing.num_prompt_tokens
             elif timing.last_token_time is not None:
                 stats.inter_token_latencies.extend([(now - timing.last_token_time) / num_new] * num_new)
-            timing.last_token_time = now
-            timing.num_generation_tokens += num_new
+            timing.add_tokens(output, now, engine_outputs.timestamp)
             stats.num_generation_tokens += num_new
         request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs)
         for request_output in request_outputs:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
-from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from nanoserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from nanoserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 
 
@@ -30,6 +30,16 @@ def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
             )
         )
     return children
+
+
+def logprob_dict(tokenizer, entries: list[tuple[int, float]]) -> dict[int, Logprob]:
+    """[(chosen_id, logprob), (top1_id, logprob), ...] -> {token_id: Logprob}, ranks from 1."""
+    (chosen_id, chosen_lp), top = entries[0], entries[1:]
+    step = {tid: Logprob(lp, rank, tokenizer.decode([tid])) for rank, (tid, lp) in enumerate(top, start=1)}
+    if chosen_id not in step:
+        rank = 1 + sum(lp > chosen_lp for _, lp in top)
+        step[chosen_id] = Logprob(chosen_lp, rank, tokenizer.decode([chosen_id]))
+    return step
 
 
 class SampleState:
@@ -56,7 +66,8 @@ class SampleState:
         num_consumed, stop = self.detokenizer.update(output.new_token_ids)
         if output.new_logprobs is not None and self.logprobs is not None:
             for entries in output.new_logprobs[:num_consumed]:
-                self._append_logprobs(entries)
+                self.logprobs.append(logprob_dict(self.tokenizer, entries))
+                self.cumulative_logprob = (self.cumulative_logprob or 0.0) + entries[0][1]
         if stop is not None:
             self.finish_reason, self.stop_reason = str(FinishReason.STOP), stop
             return True
@@ -64,19 +75,6 @@ class SampleState:
             self.finish_reason, self.stop_reason = str(output.finish_reason), output.stop_reason
             self.error = output.error
         return False
-
-    def _append_logprobs(self, entries: list[tuple[int, float]]) -> None:
-        # entries: [(sampled_id, logprob), (top1_id, logprob), ...]
-        (sampled_id, sampled_lp), top = entries[0], entries[1:]
-        step = {tid: Logprob(lp, rank, self._decode(tid)) for rank, (tid, lp) in enumerate(top, start=1)}
-        if sampled_id not in step:
-            rank = 1 + sum(lp > sampled_lp for _, lp in top)
-            step[sampled_id] = Logprob(sampled_lp, rank, self._decode(sampled_id))
-        self.logprobs.append(step)
-        self.cumulative_logprob += sampled_lp
-
-    def _decode(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
@@ -101,6 +99,7 @@ class RequestState:
         self.samples: dict[str, SampleState] = {}
         """Engine request id -> sample."""
         self.num_cached_tokens = 0
+        self.prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -114,6 +113,7 @@ class RequestState:
             outputs=[s.completion() for s in self.samples.values()],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -172,6 +172,9 @@ class OutputProcessor:
             if sample.finished:
                 del self.engine_to_request[output.request_id]
             state.num_cached_tokens = max(state.num_cached_tokens, output.num_cached_tokens)
+            if output.prompt_logprobs is not None and state.prompt_logprobs is None:
+                steps = [logprob_dict(self.tokenizer, entries) for entries in output.prompt_logprobs]
+                state.prompt_logprobs = [None, *steps]
             touched[state.request_id] = state
         request_outputs = []
         for state in touched.values():

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 
 from nanoserve.entrypoints.cli import add_engine_args
+from nanoserve.tool_parsers import PARSERS
 
 DESCRIPTION = """\
 Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
-/health, /version, /metrics), and a chat and live dashboard page at / (--no-web turns it off). The
-engine core runs in a child process. With no --model it serves the bundled SmolLM2-135M-Instruct.
+/tokenize, /detokenize, /health, /ping, /version, /metrics, /openapi.json), and a chat and live
+dashboard page at / (--no-web turns it off). The engine core runs in a child process. With no --model
+it serves the bundled SmolLM2-135M-Instruct.
 
 example:
   nanoserve serve --port 8000
@@ -74,6 +76,53 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--root-path",
         default=None,
         help="the path prefix a reverse proxy serves this server under and strips, e.g. /nanoserve",
+    )
+    group.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one log line per request: method, path, status, tokens, latency (default: on)",
+    )
+    group.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="sequences that may wait for the engine beyond its running batch; more get 429 (default: no limit)",
+    )
+    group.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take; then it is aborted and the client gets a 408 error (default: none)",
+    )
+    group.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="CORS: origins whose pages may call the server, or '*' (default: none)",
+    )
+    group.add_argument(
+        "--metrics-prefix",
+        default=None,
+        help="prefix of the /metrics names; 'vllm' gives vLLM's names for its dashboards (default: nanoserve)",
+    )
+    group.add_argument(
+        "--enable-sleep-endpoints",
+        action="store_true",
+        default=None,
+        help="mount POST /sleep, POST /wake_up and GET /is_sleeping (for a trusted operator)",
+    )
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template (inline, or a file) used instead of the tokenizer's, e.g. one that renders tools",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="how tool calls are read out of outputs for tool_choice auto (default: found from the chat template)",
     )
     add_engine_args(parser)
     parser.set_defaults(func=run_serve)

@@ -14,13 +14,16 @@ import numpy as np
 import torch
 
 from nanoserve.config import EngineOptions
-from nanoserve.core.batch import RunnerOutput, SchedulerOutput
+from nanoserve.core.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from nanoserve.model.attention import allocate_kv_cache, build_attention_metadata, kv_cache_bytes_per_block
 from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.loader import load_model, load_model_config, resolve_dtype, resolve_model_path
 from nanoserve.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
+
+PROMPT_LOGPROBS_ROWS = 256
+"""Prompt positions turned into full-vocabulary logprobs at a time (256 x 49152 floats = 48 MiB)."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -149,11 +152,42 @@ class ModelRunner:
         positions_t = torch.from_numpy(positions).to(self.device, non_blocking=True)
         hidden = self.model(input_ids, positions_t, self.kv_caches, attn)
 
+        prompt_logprobs = self._prompt_logprobs(chunks, hidden, np.cumsum(query_lens) - query_lens)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         if not sampling:
-            return RunnerOutput([], [], [])
+            return RunnerOutput([], [], [], prompt_logprobs)
         last_rows = torch.from_numpy(np.cumsum(query_lens)[sampling] - 1).to(self.device)
         logits = self.model.compute_logits(hidden.index_select(0, last_rows)).float().cpu()
         requests = [chunks[i].request for i in sampling]
-        token_list, logprobs = self.sampler.sample(logits, requests)
-        return RunnerOutput([r.request_id for r in requests], token_list, logprobs)
+        bitmask = scheduled.grammar_bitmask.result() if scheduled.grammar_bitmask is not None else None
+        token_list, logprobs = self.sampler.sample(logits, requests, bitmask)
+        return RunnerOutput([r.request_id for r in requests], token_list, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, chunks: list[ScheduledChunk], hidden: torch.Tensor, chunk_starts: np.ndarray
+    ) -> dict[str, list[list[tuple[int, float]]]]:
+        """For chunks of requests that asked for prompt logprobs: each prompt token's logprob given the
+        tokens before it (from the hidden state one position earlier) and the top ones there."""
+        result: dict[str, list[list[tuple[int, float]]]] = {}
+        for chunk, chunk_start in zip(chunks, chunk_starts.tolist(), strict=True):
+            request = chunk.request
+            if not request.needs_prompt_logprobs:
+                continue
+            start = request.num_computed_tokens
+            # positions whose next token is a prompt token not yet covered
+            first = max(start, len(request.prompt_logprobs))
+            end = min(start + chunk.num_new_tokens, request.num_prompt_tokens - 1)
+            entries: list[list[tuple[int, float]]] = []
+            num_top = request.sampling_params.prompt_logprobs or 0
+            for lo in range(first, end, PROMPT_LOGPROBS_ROWS):
+                hi = min(lo + PROMPT_LOGPROBS_ROWS, end)
+                rows = hidden[chunk_start + lo - start : chunk_start + hi - start]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1).cpu()
+                targets = torch.tensor(request.all_token_ids[lo + 1 : hi + 1])
+                target_lp = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+                top_lp, top_ids = logprobs.topk(num_top, dim=-1)
+                for k, (token, lp) in enumerate(zip(targets.tolist(), target_lp, strict=True)):
+                    top = zip(top_ids[k].tolist(), top_lp[k].tolist(), strict=True)
+                    entries.append([(token, lp), *top])
+            result[request.request_id] = entries
+        return result

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.core.request import Request
+from nanoserve.model.logits_controls import apply_logits_controls, has_logits_controls
 from nanoserve.sampling_params import SamplingParams
 
 CANDIDATES = 64
@@ -22,8 +23,11 @@ class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list]:
-        """logits: float32 [num_requests, vocab], one row per request in `requests`."""
+    def sample(
+        self, logits: torch.Tensor, requests: list[Request], grammar_bitmask: torch.Tensor | None = None
+    ) -> tuple[list[int], list]:
+        """logits: float32 [num_requests, vocab], one row per request in `requests`; grammar_bitmask:
+        one row per request with a grammar, in order (see nanoserve.structured_output)."""
         params = [r.sampling_params for r in requests]
         raw_logits = logits
         if any(_has_penalty(p) for p in params):
@@ -32,6 +36,9 @@ class Sampler:
             p.min_tokens and r.num_output_tokens < p.min_tokens for p, r in zip(params, requests, strict=True)
         ):
             logits = _suppress_stops(logits if logits is not raw_logits else logits.clone(), requests)
+        if any(has_logits_controls(p) for p in params) or grammar_bitmask is not None:
+            logits = logits if logits is not raw_logits else logits.clone()
+            apply_logits_controls(logits, requests, grammar_bitmask)
 
         if all(p.is_greedy for p in params):
             token_ids = logits.argmax(dim=-1)

@@ -71,6 +71,13 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     error: str | None = None
     """Why the engine refused or failed this request (finish_reason is then ERROR)."""
+    queued_time: float = 0.0
+    scheduled_time: float = 0.0
+    """When the engine queued the request and first scheduled it (its time.monotonic()); sent with the
+    request's first token only, for the queue / prefill / decode histograms."""
+    prompt_logprobs: list[list[tuple[int, float]]] | None = None
+    """With the first token, when asked: per prompt token from the second on,
+    [(its id, logprob), (top1_id, logprob), ...]."""
 
     @property
     def finished(self) -> bool:

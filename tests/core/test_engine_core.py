@@ -117,6 +117,25 @@ def test_prefix_cache_hit_gives_same_tokens(tiny_gqa_dir):
     assert a[3] == 0 and b[3] == 24, "the 6 shared full blocks should come from the prefix cache"
 
 
+def test_first_token_carries_queue_and_schedule_times(tiny_gqa_dir):
+    # max_num_seqs=1: the second request waits in the queue while the first runs
+    engine = tiny_engine(tiny_gqa_dir, max_num_seqs=1)
+    engine.add_request(request("a", [5, 6, 7], max_tokens=3))
+    engine.add_request(request("b", [8, 9], max_tokens=3))
+    firsts, later = {}, []
+    while engine.has_work():
+        step = engine.step()
+        for out in step.outputs:
+            if out.request_id not in firsts:
+                firsts[out.request_id] = (out, step.timestamp)
+            else:
+                later.append(out)
+    for out, timestamp in firsts.values():
+        assert 0 < out.queued_time <= out.scheduled_time <= timestamp
+    assert firsts["b"][0].scheduled_time >= firsts["a"][1]  # b was scheduled once a had finished
+    assert all(out.queued_time == out.scheduled_time == 0.0 for out in later)
+
+
 def test_bad_requests_finish_with_error_and_engine_keeps_serving(tiny_gqa_dir):
     engine = tiny_engine(tiny_gqa_dir, max_model_len=64)
     engine.add_request(request("empty", []))

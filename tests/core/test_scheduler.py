@@ -66,7 +66,9 @@ def test_single_request_prefill_then_decode():
     s.add_request(r)
     sched, outs = step(s)
     assert [(c.request.request_id, c.num_new_tokens) for c in sched.chunks] == [("a", 8)]
-    assert outs == [EngineCoreOutput("a", [7])]
+    # the first token carries when the request was queued and first scheduled
+    assert outs == [EngineCoreOutput("a", [7], queued_time=r.queued_time, scheduled_time=r.scheduled_time)]
+    assert 0 < r.queued_time <= r.scheduled_time
     assert r.num_computed_tokens == 8 and r.num_tokens == 9
     sched, outs = step(s)
     assert sched.chunks[0].num_new_tokens == 1

@@ -24,7 +24,7 @@ from nanoserve.engine.core_client.dp import (
 from nanoserve.engine.core_client.inproc import InprocClient
 from nanoserve.engine.exceptions import EngineDeadError
 from nanoserve.entrypoints.cli import build_parser, engine_options_from_args
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoserve.wire.messages import EngineCoreRequest, FinishReason, SchedulerStats
 
 DP2 = EngineOptions(runner="null", data_parallel_size=2)
@@ -355,15 +355,20 @@ def test_sync_client_sigkill_and_llm_offline_dp2_matches_dp1(tiny_gqa_dir):
         client.shutdown()
 
     prompts = ["The quick brown fox", "Hello there", "One two three four five", "a b c"]
+    choice = StructuredOutputsParams(choice=["north", "south", "east", "west"])
     params = [
         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
         SamplingParams(temperature=0.9, seed=3, max_tokens=6, ignore_eos=True),
-    ] * 2
+        SamplingParams(temperature=0.0, max_tokens=6, structured_outputs=choice),
+        SamplingParams(temperature=0.9, seed=4, max_tokens=6, structured_outputs=choice),
+    ]
     texts = {}
     for size in (1, 2):
         llm = LLM(str(tiny_gqa_dir), data_parallel_size=size, num_kv_blocks=64, max_model_len=256)
         try:
-            texts[size] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            texts[size] = [o.outputs[0].token_ids for o in outputs]
+            assert all(o.outputs[0].text in choice.choice for o in outputs[2:])
             if size == 2:
                 assert llm.llm_engine.engine_core.balancer.num_routed.keys() == {0, 1}
         finally:
@@ -420,7 +425,7 @@ def test_async_llm_dead_rank_raises_for_its_requests_and_health_says_degraded(ti
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://nanoserve")
         try:
             health = await http.get("/health")
-            assert health.status_code == 200 and health.content == b""
+            assert health.status_code == 200 and health.json()["status"] == "ok"
             await sleep_one_rank(client, 1)  # rank 1 holds its requests until it is killed
             tasks, on_rank_1 = await spread_endless_requests(engine)
             pids = client.engine_pids()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from nanoserve.engine.processor import Processor
@@ -67,9 +69,46 @@ def test_token_ids_out_of_vocab(processor, bad):
         processor.process("r", [5, bad], SamplingParams())
 
 
-def test_stop_token_ids_out_of_vocab(processor):
-    with pytest.raises(ValueError, match="stop_token_ids"):
-        processor.process("r", [5], SamplingParams(stop_token_ids=[49152]))
+@pytest.mark.parametrize(
+    "params",
+    [{"stop_token_ids": [49152]}, {"allowed_token_ids": [3, 49152]}, {"logit_bias": {49152: 1.0}}],
+)
+def test_token_id_fields_out_of_vocab(processor, params):
+    (name,) = params
+    with pytest.raises(ValueError, match=name):
+        processor.process("r", [5], SamplingParams(**params))
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"logit_bias": {3: 100.5}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ],
+)
+def test_sampling_controls_are_range_checked(params, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**params)
+
+
+def test_bad_words_become_token_sequences(processor, tokenizer):
+    _, request = processor.process("r", [5], SamplingParams(bad_words=["Paris", " hello world"]))
+    sequences = request.sampling_params.bad_words_token_ids
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    assert encode("Paris") in sequences and encode(" Paris") in sequences
+    assert encode("hello world") in sequences and encode(" hello world") in sequences
+
+
+def test_bad_structured_output_spec_is_refused(processor):
+    from nanoserve.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="structured_outputs.json"):
+        processor.process("r", [5], SamplingParams(structured_outputs=StructuredOutputsParams(json="{")))
 
 
 def test_invalid_sampling_values(processor):
@@ -91,3 +130,29 @@ def test_render_chat(processor, tokenizer):
     assert prompt["prompt"].endswith("<|im_start|>assistant\n")
     assert prompt["prompt_token_ids"] == tokenizer(prompt["prompt"], add_special_tokens=False).input_ids
     assert prompt["prompt_token_ids"].count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3
+
+
+def test_special_tokens_added_only_when_asked(tokenizer):
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = copy.deepcopy(tokenizer)
+    bos = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    # SmolLM2's tokenizer adds nothing; one that prepends a BOS shows what add_special_tokens does
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)]
+    )
+    processor = Processor(tokenizer, MAX_MODEL_LEN, tokenizer.eos_token_id)
+    plain = tokenizer("Hello", add_special_tokens=False).input_ids
+    assert processor.tokenize("Hello") == ("Hello", [bos, *plain])
+    assert processor.tokenize("Hello", add_special_tokens=False) == ("Hello", plain)
+    chat = [{"role": "user", "content": "Hi"}]
+    rendered = processor.render_chat(chat)["prompt_token_ids"]
+    assert processor.render_chat(chat, add_special_tokens=True)["prompt_token_ids"] == [bos, *rendered]
+
+
+def test_detokenize_checks_the_vocabulary(processor, tokenizer):
+    ids = tokenizer("Grüße 🙂").input_ids
+    assert processor.detokenize(ids) == "Grüße 🙂"
+    for bad in ([-1], [processor.vocab_size]):
+        with pytest.raises(ValueError, match="out of the vocabulary"):
+            processor.detokenize(bad)

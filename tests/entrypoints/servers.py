@@ -1,5 +1,6 @@
 """`nanoserve serve` in a subprocess for the tests that drive a real server (the OpenAI surface, the web
-page): started on a free port, waited on until /health answers, and killed with every process it started."""
+page): started on a free port, waited on until /health answers, and killed with every process it started;
+and helpers to read a server from outside (its Prometheus metrics, a condition to wait for)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import httpx
 import psutil
 
 STARTUP_TIMEOUT_S = 120
+API_KEY = "test-key"
+"""The key of the servers tests start with --api-key."""
 
 
 def free_port() -> int:
@@ -84,3 +87,25 @@ class Server:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(children, timeout=10)
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from nanoserve.engine.exceptions import EngineGenerateError
 from nanoserve.entrypoints.llm import LLM
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
@@ -187,6 +189,41 @@ def test_multiprocess_engine(tiny_gqa_dir):
             use_tqdm=False,
         )
         assert stopped.outputs[0].finish_reason == "stop"
+
+
+def test_structured_outputs_and_prompt_logprobs_cross_the_process_boundary(tiny_gqa_dir):
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    with LLM(model=str(tiny_gqa_dir), dtype="float32", multiprocess_mode=True) as llm:
+        constrained = [
+            SamplingParams(
+                max_tokens=40,
+                temperature=1.0,
+                seed=s,
+                structured_outputs=StructuredOutputsParams(json=schema),
+            )
+            for s in range(4)
+        ]
+        for out in llm.generate(["Hello"] * 4, constrained, use_tqdm=False):
+            assert out.outputs[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+        choice = SamplingParams(
+            max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"])
+        )
+        assert llm.generate("Hi", choice, use_tqdm=False)[0].outputs[0].text in ("alpha", "beta")
+        (out,) = llm.generate(
+            "one two three",
+            SamplingParams(max_tokens=1, prompt_logprobs=0, logit_bias={42: 100.0}),
+            use_tqdm=False,
+        )
+        assert out.outputs[0].token_ids == [42]
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+        for token_id, step in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True):
+            assert list(step) == [token_id] and step[token_id].logprob < 0
 
 
 def test_package_exports_stay_light():

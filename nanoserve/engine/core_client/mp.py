@@ -229,7 +229,8 @@ class MPClient(EngineCoreClient):
 
     def _apply_ready_response(self, responses: dict[int, EngineCoreReadyResponse]) -> None:
         """Keep what the engines computed; the user's options are left as given. Over several ranks the
-        capacity is the sum of their KV blocks, and the longest sequence is what every rank can hold."""
+        capacity is the sum of their KV blocks and running sequences, and the longest sequence is what every
+        rank can hold."""
         self.ready_responses = responses
         first = responses[self.router.ranks[0]]
         if len(responses) == 1:
@@ -238,6 +239,7 @@ class MPClient(EngineCoreClient):
         self.ready_response = msgspec.structs.replace(
             first,
             num_kv_blocks=sum(r.num_kv_blocks for r in responses.values()),
+            max_num_seqs=sum(r.max_num_seqs for r in responses.values()),
             max_model_len=min(r.max_model_len for r in responses.values()),
         )
 

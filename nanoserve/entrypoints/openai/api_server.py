@@ -1,8 +1,14 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over one AsyncLLM, run by uvicorn.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models (behind the API key when one is set),
-/health, /version, /metrics, and the web page at / with its dashboard data (`web.py`; off with
---no-web). Every error is answered in OpenAI's format.
+Routes, one module (an APIRouter) per family: completions.py (/v1/completions), chat.py
+(/v1/chat/completions), models.py (/v1/models), tokenize.py (/tokenize, /detokenize), health.py
+(/health, /ping, /version), metrics.py (/metrics), with --enable-sleep-endpoints sleep.py (/sleep,
+/wake_up, /is_sleeping), and the web page at / with its dashboard data (web.py; off with --no-web).
+/v1 routes are behind the API key when one is set. Every error is answered in OpenAI's format, and
+/openapi.json says so (openapi.py).
+
+Middleware, outermost first: the access log, CORS (with --allowed-origins), the body limit and API key,
+and the last resort that turns an exception no handler took into a 500 without breaking the connection.
 
 Lifecycle: the engine is built before the server listens. SIGTERM (or SIGINT) stops accepting, lets
 in-flight requests finish for the grace period, shuts the engine down and exits 0. When the engine
@@ -20,36 +26,34 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import math
 import signal
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 import nanoserve
 from nanoserve import envs
 from nanoserve.config import EngineOptions
 from nanoserve.engine.async_llm import AsyncLLM
-from nanoserve.engine.exceptions import EngineDeadError, EngineStartupError
-from nanoserve.entrypoints.openai.errors import OpenAIError, engine_error, error_json
-from nanoserve.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatLogger
-from nanoserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
+from nanoserve.engine.exceptions import EngineStartupError
+from nanoserve.entrypoints.openai import chat, completions, health, metrics, models, sleep, tokenize
+from nanoserve.entrypoints.openai.errors import add_exception_handlers
+from nanoserve.entrypoints.openai.metrics import PrometheusStatLogger, check_metrics_prefix
+from nanoserve.entrypoints.openai.middleware import (
+    AccessLogMiddleware,
+    GuardMiddleware,
+    UnhandledErrorMiddleware,
 )
+from nanoserve.entrypoints.openai.openapi import use_truthful_openapi
 from nanoserve.entrypoints.openai.serving import OpenAIServing
 from nanoserve.entrypoints.openai.web import STATS_PATH, mount_web
+from nanoserve.tool_parsers import PARSERS, get_parser
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -76,182 +80,106 @@ class ServerOptions:
     """The chat and dashboard page at / (and its data endpoint)."""
     root_path: str = ""
     """The path prefix a proxy serves us under (and strips), e.g. /nanoserve."""
+    access_log: bool = True
+    """One line per request on the `nanoserve.access` logger."""
+    max_queued_requests: int | None = None
+    """Sequences that may wait for a place in the engine's running batch; beyond them, 429. None: no limit."""
+    request_timeout: float | None = None
+    """Seconds a request may take, from arrival to its last token; then it is aborted (408)."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """CORS: origins whose browser pages may call the server ("*" for any); none by default."""
+    metrics_prefix: str = "nanoserve"
+    """Prefix of the Prometheus metric names; "vllm" gives vLLM's exact names."""
+    enable_sleep_endpoints: bool = False
+    """Mount /sleep, /wake_up and /is_sleeping (for a trusted operator: they stop the engine serving)."""
+    chat_template: str | None = None
+    """A Jinja chat template, or the path of a file holding one; None: the tokenizer's."""
+    tool_call_parser: str | None = None
+    """One of nanoserve.tool_parsers.PARSERS; None: the one the chat template's format calls for."""
 
     def __post_init__(self) -> None:
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
             raise ValueError(
                 f"root_path must start with '/' and not end with one (e.g. /nanoserve), got {self.root_path!r}."
             )
-
-
-# -- middleware -------------------------------------------------------------------------------
-
-
-class GuardMiddleware:
-    """Refuses oversized bodies (413) and, on protected routes, requests without the bearer token (401)."""
-
-    def __init__(
-        self, app: ASGIApp, api_key: str | None, max_body_bytes: int, protected: tuple[str, ...]
-    ) -> None:
-        self.app = app
-        self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
-        self.protected = protected
-        """Path prefixes behind the API key."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key is not None and route_path(scope).startswith(self.protected):
-            token = headers.get("authorization", "")
-            scheme, _, value = token.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                value.strip().encode(), self.api_key.encode()
-            ):
-                response = error_json("Invalid or missing API key.", 401, "authentication_error")
-                await response(scope, receive, send)
-                return
-        length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            response = error_json(
-                f"The request body ({length} bytes) is larger than the limit of {self.max_body_bytes} bytes.",
-                413,
-                "invalid_request_error",
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be non-negative, got {self.max_queued_requests}.")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be positive, got {self.request_timeout}.")
+        check_metrics_prefix(self.metrics_prefix)
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(sorted(PARSERS))}, got {self.tool_call_parser!r}."
             )
-            await response(scope, receive, send)
-            return
-        num_bytes = 0
 
-        async def limited_receive() -> Message:
-            nonlocal num_bytes
-            message = await receive()
-            if message["type"] == "http.request":
-                num_bytes += len(message.get("body", b""))
-                if num_bytes > self.max_body_bytes:
-                    raise OpenAIError(
-                        f"The request body is larger than the limit of {self.max_body_bytes} bytes.", 413
-                    )
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-
-def route_path(scope: Scope) -> str:
-    """The path the routes see: behind --root-path the server receives the prefix as part of the path."""
-    path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root) :] if root and path.startswith(root + "/") else path
+    def chat_template_text(self) -> str | None:
+        """The template itself: text with Jinja's braces or newlines is inline, anything else a path."""
+        value = self.chat_template
+        if value is None or any(c in value for c in "{}\n"):
+            return value
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"--chat-template {value!r} is neither a template nor a file.")
+        return path.read_text()
 
 
 # -- the app ----------------------------------------------------------------------------------
 
+ROUTERS = (
+    completions.router,
+    chat.router,
+    models.router,
+    tokenize.router,
+    health.router,
+    metrics.router,
+)
+
 
 def build_app(engine: AsyncLLM, options: ServerOptions, stat_logger: PrometheusStatLogger) -> FastAPI:
+    """The app over a built engine; routes find the engine, options and metrics on `app.state`."""
     served_model_name = options.served_model_name or engine.model_name
-    serving = OpenAIServing(engine, served_model_name)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncGenerator[None]:
+    async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
         engine.start()
         yield
 
     app = FastAPI(title="nanoserve", version=nanoserve.__version__, lifespan=lifespan)
+    # add_middleware wraps what is there: the last added is the outermost
+    app.add_middleware(UnhandledErrorMiddleware)
     app.add_middleware(
         GuardMiddleware,
         api_key=options.api_key,
         max_body_bytes=options.max_request_body_bytes,
         protected=("/v1", STATS_PATH) if options.web else ("/v1",),
     )
+    if options.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=options.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
+    if options.access_log:
+        app.add_middleware(AccessLogMiddleware)
+    add_exception_handlers(app)
     app.state.engine = engine
-    app.state.serving = serving
-
-    @app.exception_handler(OpenAIError)
-    async def on_openai_error(request: Request, e: OpenAIError) -> JSONResponse:
-        return JSONResponse(e.response().model_dump(), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        errors = e.errors()
-        if errors and errors[0].get("type") == "json_invalid":
-            position = errors[0].get("loc", ("body", "?"))[-1]
-            reason = errors[0].get("ctx", {}).get("error", "invalid JSON")
-            return error_json(
-                f"The request body is not valid JSON ({reason} at character {position}).",
-                400,
-                "invalid_request_error",
-            )
-        loc = [p for p in (errors[0].get("loc", ()) if errors else ()) if p != "body"]
-        message = "; ".join(_describe(err) for err in errors[:5]) or "Invalid request."
-        return error_json(message, 400, "invalid_request_error", str(loc[0]) if loc else None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_json(str(e.detail), e.status_code, kind)
-
-    @app.exception_handler(EngineDeadError)
-    async def on_engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
-        error = engine_error(e)
-        return JSONResponse(error.response().model_dump(), status_code=error.status)
-
-    @app.exception_handler(Exception)
-    async def on_internal_error(request: Request, e: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return error_json(f"Internal server error: {type(e).__name__}: {e}", 500, "internal_server_error")
-
-    @app.get("/health")
-    async def health() -> Response:
-        try:
-            await engine.check_health(options.health_hang_timeout)
-        except EngineDeadError as e:
-            return error_json(f"The engine is not healthy: {e}", 503, "service_unavailable")
-        dead, restarting = engine.dead_ranks, engine.restarting_ranks
-        if restarting:  # within its restart budget: coming back, not gone
-            body: dict[str, Any] = {"status": "restarting", "restarting_ranks": restarting}
-            if dead:
-                body["dead_ranks"] = sorted(dead)
-            return JSONResponse(body)
-        if dead:  # some data-parallel ranks still serve: healthy enough to keep, but say what is lost
-            return JSONResponse(
-                {
-                    "status": "degraded",
-                    "dead_ranks": sorted(dead),
-                    "errors": {str(rank): str(error) for rank, error in sorted(dead.items())},
-                }
-            )
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": nanoserve.__version__}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(stat_logger.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return ModelList(
-            data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)]
-        ).model_dump()
-
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return await serving.create_completion(request, raw_request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await serving.create_chat_completion(request, raw_request)
-
+    app.state.options = options
+    app.state.stat_logger = stat_logger
+    parser = get_parser(options.tool_call_parser) if options.tool_call_parser else None
+    app.state.serving = OpenAIServing(
+        engine,
+        served_model_name,
+        options.chat_template_text(),
+        parser,
+        max_queued_requests=options.max_queued_requests,
+        request_timeout=options.request_timeout,
+    )
+    for router in ROUTERS:
+        app.include_router(router)
+    if options.enable_sleep_endpoints:
+        app.include_router(sleep.router)
+    use_truthful_openapi(app)
     if options.web:
         mount_web(app, engine, served_model_name)
     return app
-
-
-def _describe(err: dict) -> str:
-    loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-    return f"{loc}: {err.get('msg', 'invalid')}" if loc else str(err.get("msg", "invalid"))
 
 
 # -- running it -------------------------------------------------------------------------------
@@ -286,7 +214,9 @@ async def _serve(engine_options: EngineOptions, options: ServerOptions) -> int:
     engine = AsyncLLM.from_options(engine_options)
     exit_code = 0
     try:
-        stat_logger = PrometheusStatLogger(options.served_model_name or engine.model_name)
+        stat_logger = PrometheusStatLogger(
+            options.served_model_name or engine.model_name, options.metrics_prefix
+        )
         stat_logger.count_engine_restarts(lambda: engine.engine_restarts)
         engine.stat_loggers.append(stat_logger)
         app = build_app(engine, options, stat_logger)

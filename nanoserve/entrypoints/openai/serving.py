@@ -1,59 +1,101 @@
-"""The completion and chat-completion handlers: an OpenAI request -> AsyncLLM requests -> a response.
+"""What every route over the engine shares: request checks (model, refused and unknown fields),
+admission (the queue limit), context-length fitting, starting engine requests, the server-sent-events
+response, usage, and the `OpenAIServing` object the routes get as a dependency.
 
 Everything a request can get wrong is found before the first byte of the response is sent (so a bad
 streaming request still gets a 4xx, not a 200 with an error inside). Once streaming has begun, an
-error — the engine dying included — ends the stream with one `data: {"error": ...}` event and
-`data: [DONE]`. A client that goes away mid-request has its requests aborted in the engine.
+error — the engine dying or the request timeout included — ends the stream with one
+`data: {"error": ...}` event and `data: [DONE]`. A client that goes away mid-request has its requests
+aborted in the engine, and so has a request that outlives its deadline.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from typing import Annotated, Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+import msgspec
+from fastapi import Depends, Request
+from fastapi.responses import StreamingResponse
 
+from nanoserve import structured_output
 from nanoserve.engine.async_llm import AsyncLLM, RequestStream
 from nanoserve.engine.exceptions import EngineDeadError
-from nanoserve.entrypoints.openai.errors import OpenAIError, engine_error
-from nanoserve.entrypoints.openai.protocol import (
-    ChatChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatLogprobs,
-    ChatResponseMessage,
-    ChatStreamChoice,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
-    SamplingRequest,
-    TokenLogprob,
-    TopLogprob,
-    UsageInfo,
-    random_id,
-)
-from nanoserve.entrypoints.openai.streams import collect, merge, run_until_disconnect
+from nanoserve.entrypoints.openai.errors import OpenAIError, engine_error, error_responses
+from nanoserve.entrypoints.openai.protocol import OpenAIRequest, SamplingRequest, UsageInfo
+from nanoserve.entrypoints.openai.streams import Deadline
 from nanoserve.outputs import CompletionOutput
+from nanoserve.sampling_params import StructuredOutputsParams
+from nanoserve.tool_parsers import ToolParser, detect_parser
 
+logger = logging.getLogger("nanoserve.server")
 
-def sse(payload: str) -> str:
-    return f"data: {payload}\n\n"
+RETRY_AFTER_S = 1
+"""What a 429 tells the client to wait: about the time a short request takes to make room."""
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_name: str,
+        chat_template: str | None = None,
+        tool_parser: ToolParser | None = None,
+        max_queued_requests: int | None = None,
+        request_timeout: float | None = None,
+    ) -> None:
+        """chat_template: overrides the tokenizer's. tool_parser: reads tool calls out of outputs
+        (None: the one the chat template's format calls for, if any)."""
         self.engine = engine
         self.served_model_name = served_model_name
+        self.chat_template = chat_template
+        template = chat_template or str(getattr(engine.tokenizer, "chat_template", None) or "")
+        self.renders_tools = "tools" in template
+        self.tool_parser = tool_parser or detect_parser(template)
+        self.max_queued_requests = max_queued_requests
+        self.request_timeout = request_timeout
+        self.warned_fields: set[tuple[str, str]] = set()
+        """(request type, field) of the unknown fields already named in the log (each is named once)."""
 
-    # -- shared checks ------------------------------------------------------------------------
+    def check_request(self, request: OpenAIRequest) -> None:
+        """404 for another model, 400 naming the refused fields; unknown fields are logged once each."""
+        self.check_model(request.model)
+        refused = request.refused_fields()
+        if refused:
+            reasons = "; ".join(f"`{name}`: {why}" for name, why in refused.items())
+            raise OpenAIError(f"Unsupported request field(s): {reasons}.", param=next(iter(refused)))
+        kind = type(request).__name__
+        unknown = [name for name in request.unknown_fields() if (kind, name) not in self.warned_fields]
+        if unknown:
+            self.warned_fields.update((kind, name) for name in unknown)
+            logger.warning(
+                "ignored %s field(s) nanoserve does not know: %s (each named once)", kind, ", ".join(unknown)
+            )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "not_found_error", "model")
+
+    def admit(self, num_seqs: int) -> None:
+        """429 when `num_seqs` more sequences would leave more than max_queued_requests of them waiting
+        for a place in the engine's running batch; call it just before starting them (no await between)."""
+        if self.max_queued_requests is None:
+            return
+        num_waiting = self.engine.num_unfinished_seqs + num_seqs - self.engine.max_num_seqs
+        if num_waiting > self.max_queued_requests:
+            raise OpenAIError(
+                f"The server is busy: at most {self.max_queued_requests} sequence(s) may wait for the engine, "
+                f"and this request's {num_seqs} would make {num_waiting} wait. Retry after {RETRY_AFTER_S} s.",
+                429,
+                "rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+
+    def deadline(self) -> Deadline | None:
+        """The deadline of a request arriving now (None without --request-timeout)."""
+        return Deadline.after(self.request_timeout)
 
     def fit_max_tokens(self, request: SamplingRequest, num_prompt_tokens: int) -> int:
         """The max_tokens to use: as asked when it fits the context, the room left when not asked."""
@@ -78,217 +120,86 @@ class OpenAIServing:
             )
         return asked
 
-    async def start(self, request_id: str, prompt: dict[str, Any], request: SamplingRequest) -> RequestStream:
+    async def start(
+        self, request_id: str, prompt: dict[str, Any], request: SamplingRequest, **overrides: Any
+    ) -> RequestStream:
+        """overrides: SamplingParams fields a route sets beyond what the request says."""
         max_tokens = self.fit_max_tokens(request, len(prompt["prompt_token_ids"]))
+        check_constraint(request, overrides.get("structured_outputs"))
         try:
             params = request.to_sampling_params(max_tokens)
+            if overrides:
+                params = msgspec.structs.replace(params, **overrides)
             return await self.engine.add_request(request_id, prompt, params)
         except (ValueError, EngineDeadError) as e:
             raise engine_error(e) from e
 
     async def start_all(
-        self, request_id: str, prompts: list[dict[str, Any]], request: SamplingRequest
+        self, request_id: str, prompts: list[dict[str, Any]], request: SamplingRequest, **overrides: Any
     ) -> list[RequestStream]:
         """One engine request per prompt; none of them is left running if one is refused."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.start(f"{request_id}-{i}", prompt, request))
+                streams.append(await self.start(f"{request_id}-{i}", prompt, request, **overrides))
         except BaseException:
             await self.engine.abort([s.request_id for s in streams])
             raise
         return streams
 
-    # -- /v1/completions ------------------------------------------------------------------------
 
-    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
-        self.check_model(request.model)
-        if request.suffix:
-            raise OpenAIError("suffix is not supported.", param="suffix")
-        if request.echo and request.logprobs is not None:
-            raise OpenAIError("echo together with logprobs is not supported.", param="echo")
-        try:
-            prompts = [await self.engine.tokenize(p) for p in request.prompts()]
-            if request.echo:
-                for p in prompts:
-                    if p["prompt"] is None:
-                        p["prompt"] = self.engine.tokenizer.decode(p["prompt_token_ids"])
-        except ValueError as e:
-            raise OpenAIError(str(e), param="prompt") from e
-        request_id = random_id("cmpl")
-        streams = await self.start_all(request_id, prompts, request)
-        if request.stream:
-            return streaming_response(
-                self.completion_stream(request_id, request, prompts, streams), self.engine, streams
-            )
-        finals = await run_until_disconnect(raw_request, collect(self.engine, streams))
-        choices, num_prompt_tokens, num_completion_tokens = [], 0, 0
-        for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
-            num_prompt_tokens += len(prompt["prompt_token_ids"])
-            for c in final.outputs:
-                raise_on_error(c)
-                num_completion_tokens += len(c.token_ids)
-                text = (prompt["prompt"] if request.echo else "") + c.text
-                logprobs = completion_logprobs(c, 0) if request.logprobs is not None else None
-                choices.append(
-                    CompletionChoice(
-                        index=i * request.n + c.index,
-                        text=text,
-                        logprobs=logprobs,
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                    )
-                )
-        return JSONResponse(
-            CompletionResponse(
-                id=request_id,
-                model=self.served_model_name,
-                choices=choices,
-                usage=usage(num_prompt_tokens, num_completion_tokens),
-            ).model_dump()
-        )
-
-    async def completion_stream(
-        self,
-        request_id: str,
-        request: CompletionRequest,
-        prompts: list[dict[str, Any]],
-        streams: list[RequestStream],
-    ) -> AsyncGenerator[str, None]:
-        num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-        num_completion_tokens = 0
-        text_offsets: dict[int, int] = {}
-        try:
-            async for i, output in merge(self.engine, streams):
-                chunk_choices = []
-                for c in output.outputs:
-                    raise_on_error(c)
-                    index = i * request.n + c.index
-                    text = c.text
-                    if request.echo and index not in text_offsets:
-                        text = prompts[i]["prompt"] + text
-                    num_completion_tokens += len(c.token_ids)
-                    logprobs = None
-                    if request.logprobs is not None:
-                        logprobs = completion_logprobs(c, text_offsets.get(index, 0))
-                    text_offsets[index] = text_offsets.get(index, 0) + len(text)
-                    if text or c.finish_reason is not None or c.token_ids:
-                        chunk_choices.append(
-                            CompletionChoice(
-                                index=index,
-                                text=text,
-                                logprobs=logprobs,
-                                finish_reason=c.finish_reason,
-                                stop_reason=c.stop_reason,
-                            )
-                        )
-                if chunk_choices:
-                    chunk = CompletionResponse(
-                        id=request_id, model=self.served_model_name, choices=chunk_choices
-                    )
-                    yield sse(chunk.model_dump_json(exclude={"usage"}))
-            if request.stream_options is not None and request.stream_options.include_usage:
-                chunk = CompletionResponse(
-                    id=request_id,
-                    model=self.served_model_name,
-                    choices=[],
-                    usage=usage(num_prompt_tokens, num_completion_tokens),
-                )
-                yield sse(chunk.model_dump_json())
-        except Exception as e:
-            yield sse(engine_error(e).response().model_dump_json())
-        yield sse("[DONE]")
-
-    # -- /v1/chat/completions -------------------------------------------------------------------
-
-    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
-        self.check_model(request.model)
-        try:
-            prompt = await self.engine.render_chat(request.conversation(), request.add_generation_prompt)
-        except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
-            raise OpenAIError(f"Cannot apply the chat template: {e}", param="messages") from e
-        request_id = random_id("chatcmpl")
-        stream = await self.start(request_id, prompt, request)
-        num_prompt_tokens = len(prompt["prompt_token_ids"])
-        if request.stream:
-            return streaming_response(
-                self.chat_stream(request_id, request, num_prompt_tokens, stream), self.engine, [stream]
-            )
-        (final,) = await run_until_disconnect(raw_request, collect(self.engine, [stream]))
-        choices, num_completion_tokens = [], 0
-        for c in final.outputs:
-            raise_on_error(c)
-            num_completion_tokens += len(c.token_ids)
-            choices.append(
-                ChatChoice(
-                    index=c.index,
-                    message=ChatResponseMessage(content=c.text),
-                    logprobs=chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
-            )
-        return JSONResponse(
-            ChatCompletionResponse(
-                id=request_id,
-                model=self.served_model_name,
-                choices=choices,
-                usage=usage(num_prompt_tokens, num_completion_tokens),
-            ).model_dump()
-        )
-
-    async def chat_stream(
-        self, request_id: str, request: ChatCompletionRequest, num_prompt_tokens: int, stream: RequestStream
-    ) -> AsyncGenerator[str, None]:
-        def chunk(choices: list[ChatStreamChoice], usage_info: UsageInfo | None = None) -> str:
-            body = ChatCompletionChunk(
-                id=request_id, model=self.served_model_name, choices=choices, usage=usage_info
-            )
-            return sse(body.model_dump_json(exclude_none=usage_info is None))
-
-        num_completion_tokens = 0
-        try:
-            yield chunk(
-                [
-                    ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                    for i in range(request.n)
-                ]
-            )
-            async for output in self.engine.iterate(stream, output_kind="delta"):
-                choices = []
-                for c in output.outputs:
-                    raise_on_error(c)
-                    num_completion_tokens += len(c.token_ids)
-                    if not c.text and c.finish_reason is None:
-                        continue
-                    choices.append(
-                        ChatStreamChoice(
-                            index=c.index,
-                            delta=DeltaMessage(content=c.text or None),
-                            logprobs=chat_logprobs(c, request.top_logprobs or 0)
-                            if request.logprobs
-                            else None,
-                            finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason,
-                        )
-                    )
-                if choices:
-                    yield chunk(choices)
-            if request.stream_options is not None and request.stream_options.include_usage:
-                yield chunk([], usage(num_prompt_tokens, num_completion_tokens))
-        except Exception as e:
-            yield sse(engine_error(e).response().model_dump_json())
-        yield sse("[DONE]")
+def generation_responses(body: type) -> dict[int | str, dict[str, Any]]:
+    """A generating route's /openapi.json responses: JSON, or server-sent events with `stream: true`."""
+    return {
+        200: {
+            "model": body,
+            "description": "The response as JSON; with `stream: true`, server-sent events instead: "
+            "`data: <chunk JSON>` lines, then `data: [DONE]`",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        },
+        **error_responses(400, 401, 404, 408, 413, 429, 503),
+    }
 
 
-# -- helpers ----------------------------------------------------------------------------------
+def check_constraint(request: SamplingRequest, from_tools: StructuredOutputsParams | None) -> None:
+    """A 400 naming the field when the structured output asked for is not a usable grammar."""
+    field = (
+        "tools" if from_tools else "structured_outputs" if request.structured_outputs else "response_format"
+    )
+    try:
+        spec = from_tools or request.structured_spec()
+        if spec is not None:
+            structured_output.validate(spec)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=field) from e
+
+
+def get_serving(raw_request: Request) -> OpenAIServing:
+    return raw_request.app.state.serving
+
+
+Serving = Annotated[OpenAIServing, Depends(get_serving)]
+"""A route parameter of this type receives the app's OpenAIServing."""
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
 
 
 class SSEResponse(StreamingResponse):
     """Server-sent events; whatever ends the response (even a disconnect before the body started),
-    the requests behind it are aborted if still running."""
+    the requests behind it are aborted if still running. Past the deadline the body is stopped and the
+    stream ends with the timeout error."""
 
-    def __init__(self, body: AsyncIterator[str], engine: AsyncLLM, streams: list[RequestStream]) -> None:
+    def __init__(
+        self,
+        body: AsyncGenerator[str, None],
+        engine: AsyncLLM,
+        streams: list[RequestStream],
+        deadline: Deadline | None = None,
+    ) -> None:
+        if deadline is not None:
+            body = until_deadline(body, deadline)
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.engine, self.streams = engine, streams
 
@@ -301,59 +212,31 @@ class SSEResponse(StreamingResponse):
                 await self.engine.abort(unfinished)
 
 
-def streaming_response(
-    body: AsyncIterator[str], engine: AsyncLLM, streams: list[RequestStream]
-) -> SSEResponse:
-    return SSEResponse(body, engine, streams)
+async def until_deadline(body: AsyncGenerator[str, None], deadline: Deadline) -> AsyncGenerator[str, None]:
+    """The body's events until the deadline; then the timeout error event and [DONE]. Cancelling the
+    body's pending step ends it (its engine requests are aborted on the way out)."""
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(anext(body), deadline.remaining())
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                yield sse(deadline.error().response().model_dump_json())
+                yield sse("[DONE]")
+                return
+            yield event
+    finally:
+        await body.aclose()
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=num_prompt_tokens,
-        completion_tokens=num_completion_tokens,
-        total_tokens=num_prompt_tokens + num_completion_tokens,
-    )
+def track_usage(raw_request: Request, num_prompt_tokens: int) -> UsageInfo:
+    """The request's usage, counted as its tokens arrive; the access log reads it from the request state."""
+    info = UsageInfo(prompt_tokens=num_prompt_tokens, total_tokens=num_prompt_tokens)
+    raw_request.state.usage = info
+    return info
 
 
 def raise_on_error(c: CompletionOutput) -> None:
     if c.finish_reason == "error":
         raise OpenAIError(f"The engine failed the request: {c.error}", 500, "internal_server_error")
-
-
-def completion_logprobs(c: CompletionOutput, text_offset: int) -> CompletionLogprobs:
-    result = CompletionLogprobs()
-    for token_id, step in zip(c.token_ids, c.logprobs or [], strict=False):
-        sampled = step.get(token_id)
-        token = (sampled.decoded_token if sampled else None) or ""
-        result.tokens.append(token)
-        result.token_logprobs.append(sampled.logprob if sampled else None)
-        result.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in step.values()})
-        result.text_offset.append(text_offset)
-        text_offset += len(token)
-    return result
-
-
-def chat_logprobs(c: CompletionOutput, num_top: int) -> ChatLogprobs:
-    content = []
-    for token_id, step in zip(c.token_ids, c.logprobs or [], strict=False):
-        sampled = step.get(token_id)
-        ranked = sorted(
-            (lp for tid, lp in step.items() if lp.rank is not None and lp.rank <= num_top),
-            key=lambda lp: lp.rank,
-        )
-        content.append(
-            TokenLogprob(
-                token=(sampled.decoded_token if sampled else "") or "",
-                logprob=sampled.logprob if sampled else float("-inf"),
-                bytes=list((sampled.decoded_token or "").encode()) if sampled else None,
-                top_logprobs=[
-                    TopLogprob(
-                        token=lp.decoded_token or "",
-                        logprob=lp.logprob,
-                        bytes=list((lp.decoded_token or "").encode()),
-                    )
-                    for lp in ranked
-                ],
-            )
-        )
-    return ChatLogprobs(content=content)
