@@ -213,15 +213,23 @@ def stream_params(i: int) -> SamplingParams:
 
 
 async def run_streams(engine, n: int, prefix: str, kill=None) -> list[str]:
-    """n concurrent streams; `kill()` is called once every stream has a few tokens."""
+    """n concurrent streams; `kill()` is called once every stream has a few tokens. The streams start
+    generating together (the engine sleeps, holding what it is sent, until all are in), so none is
+    far ahead of the others at the kill."""
     progress: dict[str, int] = {}
     ids = [f"{prefix}-{i}" for i in range(n)]
+    if kill is not None:
+        await engine.sleep(1)
     tasks = [
         asyncio.create_task(stream_text(engine, f"Story number {i}:", stream_params(i), rid, progress))
         for i, rid in enumerate(ids)
     ]
     if kill is not None:
         deadline = time.monotonic() + RESTART_WAIT_S
+        while not set(ids) <= engine.streams.keys():
+            assert time.monotonic() < deadline and not [t.result() for t in tasks if t.done()]
+            await asyncio.sleep(0.01)
+        await engine.wake_up()
         while not (len(progress) == n and min(progress.values()) >= 2):
             assert time.monotonic() < deadline and not [t.result() for t in tasks if t.done()]
             await asyncio.sleep(0.01)

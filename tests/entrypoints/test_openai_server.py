@@ -515,11 +515,16 @@ def restart_stream_body(model_name: str, i: int) -> dict:
     return body
 
 
-async def stream_completion(http: httpx.AsyncClient, url: str, body: dict, progress: dict, key: int) -> dict:
-    """The streamed text, usage and error event (if any) of one completion."""
+async def stream_completion(
+    http: httpx.AsyncClient, url: str, body: dict, progress: dict, key: int, started: set | None = None
+) -> dict:
+    """The streamed text, usage and error event (if any) of one completion; `started` gets `key` once
+    the server has sent the request to the engine (its response has begun)."""
     result: dict = {"text": "", "usage": None, "error": None}
     async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
         assert response.status_code == 200
+        if started is not None:
+            started.add(key)
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -535,13 +540,22 @@ async def stream_completion(http: httpx.AsyncClient, url: str, body: dict, progr
 
 
 async def start_streams(http: httpx.AsyncClient, url: str, model_name: str, n: int) -> list[asyncio.Task]:
-    """n streams, returned once each has received an event (long enough that none is done by then)."""
+    """n streams that start generating together (the engine sleeps, holding what it is sent, until all
+    are in), returned once each has received an event."""
+    assert (await http.post(f"{url}/sleep")).status_code == 200
     progress: dict[int, int] = {}
+    started: set[int] = set()
     tasks = [
-        asyncio.create_task(stream_completion(http, url, restart_stream_body(model_name, i), progress, i))
+        asyncio.create_task(
+            stream_completion(http, url, restart_stream_body(model_name, i), progress, i, started)
+        )
         for i in range(n)
     ]
     deadline = time.monotonic() + 60
+    while len(started) < n:
+        assert time.monotonic() < deadline and not [t.result() for t in tasks if t.done()]
+        await asyncio.sleep(0.005)
+    assert (await http.post(f"{url}/wake_up")).status_code == 200
     while len(progress) < n:
         assert time.monotonic() < deadline and not [t.result() for t in tasks if t.done()]
         await asyncio.sleep(0.005)
@@ -550,7 +564,7 @@ async def start_streams(http: httpx.AsyncClient, url: str, model_name: str, n: i
 
 @pytest.mark.timeout(300)
 def test_engine_restart_resumes_8_streams_then_a_death_past_the_budget_is_final(own_server, model_name):
-    srv = own_server("--engine-restarts", "1")
+    srv = own_server("--engine-restarts", "1", "--enable-sleep-endpoints")
 
     async def main() -> tuple[int, int]:
         async with httpx.AsyncClient(timeout=120) as http:
