@@ -145,22 +145,22 @@ def test_a_killed_actor_is_restarted_and_its_requests_resume(ray_cluster, tiny_g
         manager = client.resources.engine_manager
         assert isinstance(manager, RayEngineManager)
         try:
-            tasks = {f"r-{i}": asyncio.create_task(count_tokens(engine, f"r-{i}", 4000)) for i in range(4)}
-
-            def all_running() -> bool:
-                entries = client.ledger.entries
-                return len(entries) == 4 and min(len(e.token_ids) for e in entries.values()) >= 10
-
+            await engine.sleep(1)  # the requests start together once all are in: none ends before the kill
+            tasks = {f"r-{i}": asyncio.create_task(count_tokens(engine, f"r-{i}", 8000)) for i in range(4)}
             deadline = time.monotonic() + 60
-            while not all_running():
-                assert time.monotonic() < deadline and not any(t.done() for t in tasks.values())
+            while len(client.ledger.entries) < 4:
+                assert time.monotonic() < deadline and not [t.result() for t in tasks.values() if t.done()]
+                await asyncio.sleep(0.01)
+            await engine.wake_up()
+            while min(len(e.token_ids) for e in client.ledger.entries.values()) < 10:
+                assert time.monotonic() < deadline and not [t.result() for t in tasks.values() if t.done()]
                 await asyncio.sleep(0.01)
             on_rank_1 = {rid for rid in tasks if client.balancer.owner(rid) == 1}
             assert on_rank_1 and len(on_rank_1) < 4
             old_actor = manager.actors[1]
             ray.kill(old_actor)
             counts = await asyncio.wait_for(asyncio.gather(*tasks.values()), 180)
-            assert counts == [4000] * 4  # no token lost or repeated across the restart
+            assert counts == [8000] * 4  # no token lost or repeated across the restart
             assert engine.engine_restarts == {0: 0, 1: 1} and not engine.dead_ranks
             assert manager.actors[1] != old_actor
             assert await count_tokens(engine, "after", 8) == 8

@@ -30,7 +30,6 @@ frontend's tokens end.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 import weakref
@@ -67,8 +66,6 @@ from nanoserve.wire.messages import (
     EngineCoreRequestType,
     EngineCoreUtilityRequest,
 )
-
-logger = logging.getLogger(__name__)
 
 FutureT = TypeVar("FutureT", bound=Future)
 
