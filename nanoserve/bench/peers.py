@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown system(s): {', '.join(sorted(unknown))}; choose from {', '.join(RUNNERS)}")
 
-    from nanoserve.model.loader import load_tokenizer, resolve_model_path
+    from nanoserve.model_files import load_tokenizer, resolve_model_path
 
     model_path = resolve_model_path(args.model)
     if not model_path.endswith(".gguf"):

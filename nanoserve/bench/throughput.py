@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from nanoserve.entrypoints.llm import LLM
-    from nanoserve.model.loader import load_tokenizer, resolve_model_path
+    from nanoserve.model_files import load_tokenizer, resolve_model_path
 
     model_path = resolve_model_path(args.model)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -19,7 +19,8 @@ from nanoserve import envs
 from nanoserve.config import EngineOptions
 from nanoserve.core.request import Request, RequestStatus
 from nanoserve.core.scheduler import Scheduler
-from nanoserve.structured_output import GrammarCompiler, GrammarMatcher
+from nanoserve.structured_output.compiler import GrammarCompiler
+from nanoserve.structured_output.matcher import GrammarMatcher
 from nanoserve.wire.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -81,7 +82,9 @@ class EngineCore:
         self.num_kv_blocks = self._num_kv_blocks()
         self.max_model_len = self._fit_max_model_len(self.num_kv_blocks)
         self.runner.allocate_kv_cache(self.num_kv_blocks)
-        self.scheduler = Scheduler(options, self.num_kv_blocks, self.max_model_len)
+        self.scheduler = Scheduler(
+            options, self.num_kv_blocks, self.max_model_len, self.runner.sliding_window
+        )
 
         self.grammars = GrammarCompiler(self._load_tokenizer, self.runner.vocab_size)
         self._compiling: dict[str, tuple[Request, Future[GrammarMatcher]]] = {}
@@ -104,7 +107,7 @@ class EngineCore:
         )
 
     def _load_tokenizer(self):
-        from nanoserve.model.loader import load_tokenizer, resolve_model_path
+        from nanoserve.model_files import load_tokenizer, resolve_model_path
 
         return load_tokenizer(resolve_model_path(self.options.model))
 

@@ -7,6 +7,11 @@ Prefix caching: every FULL, computed block is named by a chained hash, hash((par
 ids)), so equal hashes mean equal whole prefixes. A new request whose leading blocks hash to cached
 blocks shares them (ref count + 1) instead of recomputing them. A freed block keeps its hash and stays
 in the pool as an evictable free block until a fresh allocation needs it (least recently freed first).
+
+Sliding windows: when every layer of the model attends only to the last `sliding_window` positions, the
+blocks wholly behind the window of a request's next query are never read again. Each allocation frees
+them first; their table entries become NULL_BLOCK, so a long request holds about window / block_size
+blocks instead of its whole length.
 """
 
 from __future__ import annotations
@@ -14,18 +19,22 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from nanoserve.core.request import Request
+from nanoserve.model.batch import NULL_BLOCK
 
 _ROOT_HASH = 0
 """Parent hash of a request's first block (a constant, unlike hash(None) on Python 3.11)."""
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, sliding_window: int | None = None
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be at least 1, got {num_blocks}, {block_size}.")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
         self._hash_to_block: dict[int, int] = {}
@@ -36,6 +45,8 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
         """Per request: how many leading blocks of its table are already in the prefix cache."""
+        self._num_skipped: dict[str, int] = {}
+        """Per request: how many leading blocks of its table fell behind the sliding window (NULL_BLOCK)."""
         self.prefix_cache_queries = 0
         """Tokens of requests looked up in the prefix cache at their first allocation."""
         self.prefix_cache_hits = 0
@@ -125,7 +136,9 @@ class KVCacheManager:
         if self._free_uncached:
             return self._free_uncached.pop()
         block, _ = self._free_cached.popitem(last=False)  # evict the least recently freed
-        del self._hash_to_block[self._block_hash[block]]
+        block_hash = self._block_hash[block]
+        assert block_hash is not None, "cached free blocks all have hashes"
+        del self._hash_to_block[block_hash]
         self._block_hash[block] = None
         return block
 
@@ -133,8 +146,8 @@ class KVCacheManager:
         """Grow the request's table so that num_computed_tokens + num_cached_tokens + num_new_tokens fit.
 
         On the request's first allocation, `num_cached_tokens` (from `get_computed_blocks`) selects the
-        shared cached blocks that start its table. Returns False, changing nothing, when the pool is
-        too small.
+        shared cached blocks that start its table; later ones first free the blocks behind the sliding
+        window. Returns False, allocating nothing, when the pool is too small.
         """
         bs = self.block_size
         table = self._tables.get(request.request_id)
@@ -144,6 +157,7 @@ class KVCacheManager:
             table_len = len(hit_blocks)
         else:
             assert num_cached_tokens == 0, "cached tokens are only taken at the first allocation"
+            self._free_behind_window(request, table)
             table_len = len(table)
         num_tokens = request.num_computed_tokens + num_cached_tokens + num_new_tokens
         num_fresh = max(0, -(-num_tokens // bs) - table_len)
@@ -155,6 +169,7 @@ class KVCacheManager:
         if table is None:
             table = self._tables[request.request_id] = []
             self._num_registered[request.request_id] = len(hit_blocks)
+            self._num_skipped[request.request_id] = 0
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += len(hit_blocks) * bs
@@ -169,18 +184,35 @@ class KVCacheManager:
             table.append(b)
         return True
 
+    def _free_behind_window(self, request: Request, table: list[int]) -> None:
+        """Free the blocks no query from num_computed_tokens on can see: the next query, at position
+        num_computed_tokens, sees keys from num_computed_tokens - sliding_window + 1."""
+        if self.sliding_window is None:
+            return
+        first_needed = request.num_computed_tokens - self.sliding_window + 1
+        num_behind = min(max(first_needed, 0) // self.block_size, len(table))
+        for i in range(self._num_skipped[request.request_id], num_behind):
+            self._release(table[i])
+            table[i] = NULL_BLOCK
+        self._num_skipped[request.request_id] = max(num_behind, self._num_skipped[request.request_id])
+
+    def _release(self, block: int) -> None:
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            if self._block_hash[block] is None:
+                self._free_uncached.append(block)
+            else:
+                self._free_cached[block] = None
+
     def free(self, request: Request) -> None:
         """Release the request's blocks; hashed ones stay cached until evicted."""
         table = self._tables.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
+        self._num_skipped.pop(request.request_id, None)
         if table is None:
             return
         # Tail blocks first, so they are evicted before the prefix blocks other requests are likelier
         # to share.
         for b in reversed(table):
-            self._ref_counts[b] -= 1
-            if self._ref_counts[b] == 0:
-                if self._block_hash[b] is None:
-                    self._free_uncached.append(b)
-                else:
-                    self._free_cached[b] = None
+            if b != NULL_BLOCK:
+                self._release(b)

@@ -7,7 +7,7 @@ import enum
 import torch
 
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.structured_output import GrammarMatcher
+from nanoserve.structured_output.matcher import GrammarMatcher
 from nanoserve.wire.messages import EngineCoreRequest, FinishReason
 
 
@@ -50,14 +50,15 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
         arrival_time: float,
         max_tokens: int,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
+        """Tokens that end the sequence (unless sampling_params.ignore_eos): the model may declare several."""
         self.arrival_time = arrival_time
         self.max_tokens = max_tokens
         """sampling_params.max_tokens, resolved against max_model_len by the engine."""
@@ -94,7 +95,7 @@ class Request:
             request.request_id,
             request.prompt_token_ids,
             request.sampling_params,
-            request.eos_token_id,
+            tuple(request.eos_token_ids),
             request.arrival_time,
             max_tokens,
         )

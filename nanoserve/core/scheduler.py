@@ -17,14 +17,21 @@ from collections import deque
 from collections.abc import Iterable
 
 from nanoserve.config import EngineOptions
-from nanoserve.core.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from nanoserve.core.kv_cache import KVCacheManager
 from nanoserve.core.request import Request, RequestStatus
+from nanoserve.model.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from nanoserve.wire.messages import EngineCoreOutput, SchedulerStats
 
 
 class Scheduler:
-    def __init__(self, options: EngineOptions, num_kv_blocks: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        options: EngineOptions,
+        num_kv_blocks: int,
+        max_model_len: int,
+        sliding_window: int | None = None,
+    ) -> None:
+        """sliding_window: the window every layer of the model attends within, if it has one."""
         if max_model_len > num_kv_blocks * options.block_size:
             # A lone request of max_model_len tokens must fit, or it would preempt itself forever.
             raise ValueError(
@@ -34,7 +41,9 @@ class Scheduler:
         self.max_num_seqs = options.max_num_seqs
         self.max_num_batched_tokens = options.max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.kv_cache = KVCacheManager(num_kv_blocks, options.block_size, options.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(
+            num_kv_blocks, options.block_size, options.enable_prefix_caching, sliding_window
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -145,8 +154,8 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         for chunk in sched.chunks:
-            request = chunk.request
-            if request.is_finished:
+            request = self.requests.get(chunk.request.request_id)
+            if request is None:
                 continue  # aborted while the step ran
             samples = chunk.samples  # read before advancing: it compares against num_computed_tokens
             request.num_computed_tokens += chunk.num_new_tokens
@@ -194,7 +203,7 @@ class Scheduler:
         if request.grammar is not None and request.grammar.is_terminated:
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
-            if token == request.eos_token_id and not params.ignore_eos:
+            if token in request.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if params.stop_token_ids and token in params.stop_token_ids:
                 request.stop_reason = token

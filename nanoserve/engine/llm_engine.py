@@ -11,20 +11,24 @@ from nanoserve.config import EngineOptions
 from nanoserve.engine.core_client.base import EngineCoreClient
 from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.processor import Processor, PromptType
+from nanoserve.model_files import eos_token_ids, generation_defaults, load_tokenizer, resolve_model_path
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
 
 class LLMEngine:
     def __init__(self, options: EngineOptions) -> None:
-        from nanoserve.model.loader import load_tokenizer, resolve_model_path
-
         self.options = options
-        self.tokenizer = load_tokenizer(resolve_model_path(options.model))
+        model_path = resolve_model_path(options.model)
+        self.tokenizer = load_tokenizer(model_path)
+        self.generation_defaults = generation_defaults(model_path)
+        """SamplingParams fields the model's generation config sets (see nanoserve.model_files)."""
         self.engine_core = EngineCoreClient.make_client(options.multiprocess_mode, False, options)
         ready = self.engine_core.ready_response
         self.max_model_len = ready.max_model_len
-        self.processor = Processor.for_engine(self.tokenizer, ready)
+        self.processor = Processor.for_engine(
+            self.tokenizer, ready, eos_token_ids(model_path, self.tokenizer)
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._is_shut_down = False
 
@@ -32,7 +36,8 @@ class LLMEngine:
         """Validate and queue a request; ValueError (and nothing queued) when it is invalid or its id is live."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"Request id {request_id!r} is already running.")
-        text, request = self.processor.process(request_id, prompt, params or SamplingParams())
+        params = params or SamplingParams(**self.generation_defaults)
+        text, request = self.processor.process(request_id, prompt, params)
         for engine_request in self.output_processor.add_request(request, text):
             self.engine_core.add_request(engine_request)
 

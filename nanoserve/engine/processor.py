@@ -23,18 +23,24 @@ Conversation = list[dict[str, Any]]
 
 class Processor:
     def __init__(
-        self, tokenizer, max_model_len: int, eos_token_id: int | None, vocab_size: int | None = None
+        self,
+        tokenizer,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+        vocab_size: int | None = None,
     ):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
 
     @classmethod
-    def for_engine(cls, tokenizer, ready: EngineCoreReadyResponse) -> Processor:
+    def for_engine(
+        cls, tokenizer, ready: EngineCoreReadyResponse, eos_token_ids: tuple[int, ...]
+    ) -> Processor:
         """Validate against the capacity the engine actually computed, not the options asked for."""
         vocab_size = min(len(tokenizer), ready.vocab_size)
-        return cls(tokenizer, ready.max_model_len, tokenizer.eos_token_id, vocab_size=vocab_size)
+        return cls(tokenizer, ready.max_model_len, eos_token_ids, vocab_size=vocab_size)
 
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """Return (prompt text or None, prompt token ids); add_special_tokens applies to text (e.g. BOS)."""
@@ -97,7 +103,7 @@ class Processor:
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=list(self.eos_token_ids),
             arrival_time=time.time(),
         )
         return text, request

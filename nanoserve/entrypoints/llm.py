@@ -27,6 +27,12 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use when given no SamplingParams: the defaults, overridden by the model's
+        generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as
+        vLLM's LLM does."""
+        return SamplingParams(**self.llm_engine.generation_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -60,7 +66,7 @@ class LLM:
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

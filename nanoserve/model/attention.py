@@ -10,17 +10,23 @@ Requests are split into at most two groups per step, each one attention call per
 - prefill (longer queries, chunked or not): queries padded to [num_seqs, max_query_len] and one
   `scaled_dot_product_attention` call with a causal mask.
 Splitting keeps a long prefill from padding every decode in the batch to its length.
+
+Per layer, attention may be limited to a sliding window (the keys within `window` positions of the
+query, itself included), its scores soft-capped (cap * tanh(score / cap)) and its queries scaled by a
+factor of the family's; the masks of each window are built once per step and shared by the layers that
+use it. Block-table entries of blocks freed behind every layer's window (NULL_BLOCK) are never read.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from types import ModuleType
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from nanoserve.model.batch import NULL_BLOCK
 
 
 @dataclass
@@ -33,8 +39,8 @@ class AttentionGroup:
     """[num_seqs * num_ctx_blocks] block ids, request after request; padding points at a real block."""
     context_len: int
     """num_ctx_blocks * block_size: the padded context each request attends over."""
-    mask: torch.Tensor
-    """decode: additive float32 bias [num_seqs, context_len]; prefill: bool [num_seqs, max_query_len, context_len]."""
+    query_positions: np.ndarray
+    """[num_seqs, max_query_len] position of each query (padded rows repeat the last real one)."""
     token_index: torch.Tensor | None
     """[num_seqs * max_query_len] flat token row for each padded query slot; None: the tokens are the
     whole batch, already in padded order."""
@@ -46,11 +52,25 @@ class AttentionGroup:
     """int32 [num_seqs, num_ctx_blocks], for the decode kernel."""
     seq_lens: torch.Tensor
     """int64 [num_seqs], for the decode kernel."""
+    device: torch.device
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
+
+    def visible(self, window: int | None) -> torch.Tensor:
+        """bool [num_seqs, max_query_len, context_len]: which keys each query attends to."""
+
+        def build() -> torch.Tensor:
+            keys = np.arange(self.context_len)[None, None, :]
+            last = self.query_positions[:, :, None]
+            visible = keys <= last
+            if window is not None:
+                visible &= keys > last - window
+            return _to_device(visible, self.device)
+
+        return self.cached(("visible", window), build)
 
     def cached(self, key, build):
         """Per-step values derived once (by the first layer) and shared by the others."""
@@ -83,7 +103,9 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    # blocks freed behind a sliding window are masked out; any valid id will do for the gather
     block_table = np.asarray(block_table, dtype=np.int64)
+    block_table = np.where(block_table == NULL_BLOCK, 0, block_table)
     num_seqs = len(query_lens)
     num_tokens = int(query_lens.sum())
     token_starts = np.cumsum(query_lens) - query_lens  # first flat row of each request
@@ -97,23 +119,24 @@ def build_attention_metadata(
     )
     slots = block_table[seq_of_token, positions // block_size] * block_size + positions % block_size
 
-    def to_device(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device, non_blocking=True)
-
     is_decode = query_lens == 1
     groups = []
     for members in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
         if len(members):
             groups.append(
                 _build_group(
-                    members, num_seqs, query_lens, seq_lens, token_starts, block_table, block_size, to_device
+                    members, num_seqs, query_lens, seq_lens, token_starts, block_table, block_size, device
                 )
             )
-    return AttentionMetadata(num_tokens, to_device(slots), groups, kernels)
+    return AttentionMetadata(num_tokens, _to_device(slots, device), groups, kernels)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array).to(device, non_blocking=True)
 
 
 def _build_group(
-    members, num_seqs_in_batch, query_lens, seq_lens, token_starts, block_table, block_size, to_device
+    members, num_seqs_in_batch, query_lens, seq_lens, token_starts, block_table, block_size, device
 ) -> AttentionGroup:
     q_lens, s_lens, starts = query_lens[members], seq_lens[members], token_starts[members]
     num_seqs, max_q = len(members), int(q_lens.max())
@@ -127,11 +150,9 @@ def _build_group(
     is_own = np.arange(num_ctx_blocks)[None, :] * block_size < s_lens[:, None]
     blocks = np.where(is_own, blocks, blocks[:, :1])
 
-    # query i of a request sees keys 0 .. context_start + i; padded query rows copy the last real row
+    # query i of a request sits at context_start + i; padded query rows copy the last real row
     q_idx = np.minimum(np.arange(max_q)[None, :], q_lens[:, None] - 1)  # [num_seqs, max_q]
-    last_key = (s_lens - q_lens)[:, None] + q_idx
-    visible = np.arange(ctx_len)[None, None, :] <= last_key[:, :, None]  # [num_seqs, max_q, ctx_len]
-    mask = np.where(visible[:, 0, :], 0.0, -np.inf).astype(np.float32) if max_q == 1 else visible
+    query_positions = (s_lens - q_lens)[:, None] + q_idx
 
     token_index = out_rows = out_index = None
     if num_seqs < num_seqs_in_batch or bool((q_lens < max_q).any()):
@@ -141,14 +162,15 @@ def _build_group(
     return AttentionGroup(
         num_seqs=num_seqs,
         max_query_len=max_q,
-        block_index=to_device(blocks.reshape(-1)),
+        block_index=_to_device(blocks.reshape(-1), device),
         context_len=ctx_len,
-        mask=to_device(mask),
-        token_index=None if token_index is None else to_device(token_index),
-        out_rows=None if out_rows is None else to_device(out_rows),
-        out_index=None if out_index is None else to_device(out_index),
-        block_table=to_device(block_table[members, :num_ctx_blocks].astype(np.int32)),
-        seq_lens=to_device(s_lens),
+        query_positions=query_positions,
+        token_index=None if token_index is None else _to_device(token_index, device),
+        out_rows=None if out_rows is None else _to_device(out_rows, device),
+        out_index=None if out_index is None else _to_device(out_index, device),
+        block_table=_to_device(block_table[members, :num_ctx_blocks].astype(np.int32), device),
+        seq_lens=_to_device(s_lens, device),
+        device=device,
     )
 
 
@@ -180,30 +202,46 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, attn: Att
     slots[1].index_copy_(1, attn.slot_mapping, v.transpose(0, 1))
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-    """Attend each token over its request's context, its own K/V already in the cache.
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attend each token over its request's context (its last `window` positions when given), its own K/V
+    already in the cache.
 
     q: [T, num_heads, head_dim] -> [T, num_heads * head_dim].
     """
     num_tokens, num_heads, head_dim = q.shape
     if len(attn.groups) == 1 and attn.groups[0].out_index is None:
-        return _attend_group(q, kv_cache, attn.groups[0], attn.kernels)
+        return _attend_group(q, kv_cache, attn.groups[0], attn.kernels, scale, window, softcap)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in attn.groups:
-        out.index_copy_(0, group.out_index, _attend_group(q, kv_cache, group, attn.kernels))
+        assert group.out_index is not None, "a step of several groups maps each one's rows"
+        out.index_copy_(
+            0, group.out_index, _attend_group(q, kv_cache, group, attn.kernels, scale, window, softcap)
+        )
     return out
 
 
 def _attend_group(
-    q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, kernels: ModuleType | None
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    group: AttentionGroup,
+    kernels: ModuleType | None,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     num_heads, head_dim = q.shape[1:]
     if group.is_decode and kernels is not None:
         if group.token_index is not None:
             q = q.index_select(0, group.token_index)
-        scale = 1.0 / math.sqrt(head_dim)
         return kernels.paged_decode_attention(
-            q.contiguous(), kv_cache, group.block_table, group.seq_lens, scale
+            q.contiguous(), kv_cache, group.block_table, group.seq_lens, scale, window or 0, softcap or 0.0
         )
     blocks = kv_cache.view(2, kv_cache.shape[1], kv_cache.shape[2], -1)
     num_kv_heads = blocks.shape[1]
@@ -221,17 +259,28 @@ def _attend_group(
         q = q.permute(2, 0, 1, 3, 4).reshape(num_kv_heads * num_seqs, per_kv, head_dim)
         k = kv[0].view(num_kv_heads * num_seqs, ctx, head_dim)
         v = kv[1].view(num_kv_heads * num_seqs, ctx, head_dim)
-        bias = group.cached(("bias", q.dtype), lambda: group.mask.to(q.dtype).view(1, num_seqs, 1, ctx))
-        scores = torch.bmm(q, k.transpose(1, 2)).view(num_kv_heads, num_seqs, per_kv, ctx)
-        probs = torch.softmax(scores.mul_(1.0 / math.sqrt(head_dim)).add_(bias), dim=-1)
+        bias = group.cached(
+            ("bias", window, q.dtype),
+            lambda: _additive(group.visible(window)[:, 0], q.dtype).view(1, num_seqs, 1, ctx),
+        )
+        scores = torch.bmm(q, k.transpose(1, 2)).view(num_kv_heads, num_seqs, per_kv, ctx).mul_(scale)
+        probs = torch.softmax(_soft_cap(scores, softcap).add_(bias), dim=-1)
         out = torch.bmm(probs.view(-1, per_kv, ctx), v)  # [num_kv_heads * num_seqs, per_kv, head_dim]
         return out.view(num_kv_heads, num_seqs, per_kv * head_dim).transpose(0, 1).reshape(num_seqs, -1)
 
     # rows ordered (query, head-in-group) so each mask row repeats per_kv times
     q = q.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, max_q * per_kv, head_dim)
     # additive, so SDPA does not convert a boolean mask again in every layer
-    mask = group.cached(("mask", per_kv, q.dtype), lambda: _additive_mask(group.mask, per_kv, q.dtype))
-    out = F.scaled_dot_product_attention(q, kv[0].transpose(0, 1), kv[1].transpose(0, 1), attn_mask=mask)
+    mask = group.cached(
+        ("mask", window, per_kv, q.dtype),
+        lambda: _additive(group.visible(window).repeat_interleave(per_kv, dim=1).unsqueeze(1), q.dtype),
+    )
+    k, v = kv[0].transpose(0, 1), kv[1].transpose(0, 1)  # [num_seqs, num_kv_heads, ctx, head_dim]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:  # SDPA has no soft-capping: the scores are written out
+        scores = _soft_cap(torch.matmul(q, k.transpose(2, 3)).mul_(scale), softcap)
+        out = torch.matmul(torch.softmax(scores.add_(mask), dim=-1), v)
     # [num_seqs, num_kv_heads, max_q, per_kv, head_dim] -> [num_seqs * max_q, num_heads * head_dim]
     out = (
         out.view(num_seqs, num_kv_heads, max_q, per_kv, head_dim)
@@ -241,9 +290,12 @@ def _attend_group(
     return out if group.out_rows is None else out.index_select(0, group.out_rows)
 
 
-def _additive_mask(visible: torch.Tensor, per_kv: int, dtype: torch.dtype) -> torch.Tensor:
-    """[num_seqs, max_q, ctx] bool -> [num_seqs, 1, max_q * per_kv, ctx] with 0 / -inf, rows (query, head)."""
-    visible = visible.repeat_interleave(per_kv, dim=1).unsqueeze(1)
+def _soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return scores if cap is None else torch.tanh(scores.div_(cap)).mul_(cap)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool -> 0 where visible, -inf elsewhere."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
         ~visible, float("-inf")
     )

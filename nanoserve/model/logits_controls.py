@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.core.request import Request
+from nanoserve.model.batch import SequenceState
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.structured_output import apply_bitmask
+from nanoserve.structured_output.bitmask import apply_bitmask
 
 NEG_INF = float("-inf")
 
@@ -21,7 +21,7 @@ def has_logits_controls(p: SamplingParams) -> bool:
 
 
 def apply_logits_controls(
-    logits: torch.Tensor, requests: list[Request], grammar_bitmask: torch.Tensor | None
+    logits: torch.Tensor, requests: list[SequenceState], grammar_bitmask: torch.Tensor | None
 ) -> None:
     """In place on logits [num_requests, vocab]; grammar_bitmask has one row per request with a grammar."""
     _add_logit_bias(logits, requests)
@@ -32,7 +32,7 @@ def apply_logits_controls(
         apply_bitmask(logits, rows, grammar_bitmask)
 
 
-def _add_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+def _add_logit_bias(logits: torch.Tensor, requests: list[SequenceState]) -> None:
     rows, cols, values = [], [], []
     for i, r in enumerate(requests):
         bias = r.sampling_params.logit_bias
@@ -48,7 +48,7 @@ def _add_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
         )
 
 
-def _keep_allowed(logits: torch.Tensor, requests: list[Request]) -> None:
+def _keep_allowed(logits: torch.Tensor, requests: list[SequenceState]) -> None:
     rows = [i for i, r in enumerate(requests) if r.sampling_params.allowed_token_ids is not None]
     if not rows:
         return
@@ -63,7 +63,7 @@ def _keep_allowed(logits: torch.Tensor, requests: list[Request]) -> None:
     logits[index] = logits[index].masked_fill_(banned, NEG_INF)
 
 
-def _ban_bad_words(logits: torch.Tensor, requests: list[Request]) -> None:
+def _ban_bad_words(logits: torch.Tensor, requests: list[SequenceState]) -> None:
     """A bad word's last token is banned where the output so far ends with the rest of the word."""
     rows, cols = [], []
     for i, r in enumerate(requests):

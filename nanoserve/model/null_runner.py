@@ -7,7 +7,7 @@ without paying for a forward pass. Each sampling request gets one deterministic 
 from __future__ import annotations
 
 from nanoserve.config import EngineOptions
-from nanoserve.core.batch import RunnerOutput, SchedulerOutput
+from nanoserve.model.batch import RunnerOutput, SchedulerOutput
 
 NULL_VOCAB_SIZE = 49152
 NULL_MAX_MODEL_LEN = 8192
@@ -22,7 +22,7 @@ class NullRunner:
         self.vocab_size = NULL_VOCAB_SIZE
         self.max_model_len = NULL_MAX_MODEL_LEN
         self.dtype_name = "none"
-        self.eos_token_id = 2
+        self.sliding_window = None
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.options.block_size * 64

@@ -6,6 +6,7 @@ built in numpy and moved to the device once per step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -14,11 +15,14 @@ import numpy as np
 import torch
 
 from nanoserve.config import EngineOptions
-from nanoserve.core.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from nanoserve.model.attention import allocate_kv_cache, build_attention_metadata, kv_cache_bytes_per_block
+from nanoserve.model.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
+from nanoserve.model.config import ModelConfig
 from nanoserve.model.kernels import cpu_kernels
-from nanoserve.model.loader import load_model, load_model_config, resolve_dtype, resolve_model_path
+from nanoserve.model.layers.causal_lm import CausalLM
+from nanoserve.model.loader import load_model, load_model_config, resolve_dtype
 from nanoserve.model.sampler import Sampler
+from nanoserve.model_files import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +36,14 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def serving_config(config: ModelConfig, max_model_len: int | None) -> ModelConfig:
+    """The config with its positions cut to the max_model_len asked for: the rotary tables get no longer
+    than that, and LongRoPE picks its short factors when that fits the pretraining length."""
+    if max_model_len is None or max_model_len >= config.max_position_embeddings:
+        return config
+    return dataclasses.replace(config, max_position_embeddings=max_model_len)
+
+
 class ModelRunner:
     RPC_METHODS = ("describe", "num_parameters")
 
@@ -39,30 +51,38 @@ class ModelRunner:
         self.options = options
         self.device = resolve_device(options.device)
         self.model_path = resolve_model_path(options.model)
-        self.config = load_model_config(self.model_path)
+        self.config = serving_config(load_model_config(self.model_path), options.max_model_len)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
         self.vocab_size = self.config.vocab_size
         self.max_model_len = self.config.max_position_embeddings
-        self.eos_token_id = self.config.eos_token_id
+        self.sliding_window = self.config.kv_window
+        """KV blocks that fall behind it are freed (None: some layer reads the whole context)."""
         self.kernels = None
         if options.cpu_kernels == "auto" and self.device.type == "cpu" and self.dtype != torch.float16:
             self.kernels = cpu_kernels()
         start = time.perf_counter()
-        self.model = self._load()
+        self.model: CausalLM | None = self._load()
+        """None after sleep(level=2) dropped the weights."""
         logger.info(
             "loaded %s (%s) in %.1f s", self.config.name, self.dtype_name, time.perf_counter() - start
         )
-        if self.kernels is not None:
-            self.model.use_cpu_kernels(self.kernels)
         self.sampler = Sampler(options.seed)
         self.kv_caches: list[torch.Tensor] = []
         self._offloaded: dict[str, torch.Tensor] | None = None
 
-    def _load(self) -> torch.nn.Module:
-        return load_model(
+    def _load(self) -> CausalLM:
+        model = load_model(
             self.model_path, self.config, self.dtype, self.device, self.options.quantization, self.kernels
-        ).eval()
+        )
+        if self.kernels is not None:
+            model.use_cpu_kernels(self.kernels)
+        return model
+
+    def _loaded(self) -> CausalLM:
+        if self.model is None:
+            raise RuntimeError("The model's weights were dropped (sleep level 2); wake the engine up first.")
+        return self.model
 
     # -- KV cache and memory ------------------------------------------------------------------
 
@@ -90,7 +110,7 @@ class ModelRunner:
     def offload_weights(self) -> None:
         """Move weights to host memory (a no-op copy on CPU) so the device is free while asleep."""
         if self.device.type != "cpu":
-            self.model.to("cpu")
+            self._loaded().to("cpu")
 
     def drop_weights(self) -> None:
         self.model = None
@@ -99,7 +119,7 @@ class ModelRunner:
         if self.model is None:
             self.model = self._load()
         elif self.device.type != "cpu":
-            self.model.to(self.device)
+            self._loaded().to(self.device)
 
     # -- worker RPCs --------------------------------------------------------------------------
 
@@ -107,14 +127,14 @@ class ModelRunner:
         return {"model": self.config.name, "dtype": self.dtype_name, "device": str(self.device)}
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        return sum(p.numel() for p in self._loaded().parameters())
 
     def save_state(self, path: str) -> None:
         """Write the loaded weights as one safetensors file (there is one shard: no tensor parallelism)."""
         from safetensors.torch import save_file
 
         os.makedirs(path, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
+        state = {k: v.detach().contiguous().cpu() for k, v in self._loaded().state_dict().items()}
         save_file(state, os.path.join(path, "model-rank-0.safetensors"))
 
     # -- the step -----------------------------------------------------------------------------
@@ -150,14 +170,15 @@ class ModelRunner:
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         positions_t = torch.from_numpy(positions).to(self.device, non_blocking=True)
-        hidden = self.model(input_ids, positions_t, self.kv_caches, attn)
+        model = self._loaded()
+        hidden = model(input_ids, positions_t, self.kv_caches, attn)
 
         prompt_logprobs = self._prompt_logprobs(chunks, hidden, np.cumsum(query_lens) - query_lens)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         if not sampling:
             return RunnerOutput([], [], [], prompt_logprobs)
         last_rows = torch.from_numpy(np.cumsum(query_lens)[sampling] - 1).to(self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, last_rows)).float().cpu()
+        logits = model.compute_logits(hidden.index_select(0, last_rows)).float().cpu()
         requests = [chunks[i].request for i in sampling]
         bitmask = scheduled.grammar_bitmask.result() if scheduled.grammar_bitmask is not None else None
         token_list, logprobs = self.sampler.sample(logits, requests, bitmask)
@@ -182,7 +203,7 @@ class ModelRunner:
             for lo in range(first, end, PROMPT_LOGPROBS_ROWS):
                 hi = min(lo + PROMPT_LOGPROBS_ROWS, end)
                 rows = hidden[chunk_start + lo - start : chunk_start + hi - start]
-                logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1).cpu()
+                logprobs = torch.log_softmax(self._loaded().compute_logits(rows).float(), dim=-1).cpu()
                 targets = torch.tensor(request.all_token_ids[lo + 1 : hi + 1])
                 target_lp = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
                 top_lp, top_ids = logprobs.topk(num_top, dim=-1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.core.request import Request
+from nanoserve.model.batch import SequenceState
 from nanoserve.model.logits_controls import apply_logits_controls, has_logits_controls
 from nanoserve.sampling_params import SamplingParams
 
@@ -24,7 +24,7 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def sample(
-        self, logits: torch.Tensor, requests: list[Request], grammar_bitmask: torch.Tensor | None = None
+        self, logits: torch.Tensor, requests: list[SequenceState], grammar_bitmask: torch.Tensor | None = None
     ) -> tuple[list[int], list]:
         """logits: float32 [num_requests, vocab], one row per request in `requests`; grammar_bitmask:
         one row per request with a grammar, in order (see nanoserve.structured_output)."""
@@ -47,7 +47,7 @@ class Sampler:
         token_list = token_ids.tolist()
         return token_list, _logprobs(raw_logits, token_ids, requests)
 
-    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, requests: list[SequenceState]) -> torch.Tensor:
         token_ids = logits.argmax(dim=-1)
         rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if not rows:
@@ -58,7 +58,7 @@ class Sampler:
         token_ids[rows] = _draw(probs, params, self._uniforms([requests[i] for i in rows]))
         return token_ids
 
-    def _uniforms(self, requests: list[Request]) -> torch.Tensor:
+    def _uniforms(self, requests: list[SequenceState]) -> torch.Tensor:
         """One uniform per row: seeded rows from their own generator, the rest in one draw from ours."""
         uniforms = torch.rand(len(requests), generator=self.generator)
         for i, request in enumerate(requests):
@@ -138,7 +138,7 @@ def _has_penalty(p) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
-def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, requests: list[SequenceState]) -> torch.Tensor:
     num_rows, vocab = logits.shape
     output_counts = torch.zeros(num_rows, vocab, dtype=logits.dtype)
     seen = torch.zeros(num_rows, vocab, dtype=torch.bool)
@@ -162,21 +162,21 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     return logits - freq * output_counts - pres * (output_counts > 0).to(logits.dtype)
 
 
-def _suppress_stops(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _suppress_stops(logits: torch.Tensor, requests: list[SequenceState]) -> torch.Tensor:
     """Before min_tokens are out, EOS and stop tokens cannot be sampled."""
     for i, r in enumerate(requests):
         p = r.sampling_params
         if r.num_output_tokens >= p.min_tokens:
             continue
         stops = list(p.stop_token_ids or [])
-        if r.eos_token_id is not None and not p.ignore_eos:
-            stops.append(r.eos_token_id)
+        if not p.ignore_eos:
+            stops.extend(r.eos_token_ids)
         if stops:
             logits[i, stops] = float("-inf")
     return logits
 
 
-def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, requests: list[Request]) -> list:
+def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, requests: list[SequenceState]) -> list:
     """Per request: [(sampled, logprob), (top1, logprob), ...] of the model's raw distribution, or None."""
     wanted = {i: r.sampling_params.logprobs for i, r in enumerate(requests)}
     wanted = {i: n for i, n in wanted.items() if n is not None}

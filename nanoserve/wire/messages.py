@@ -52,7 +52,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: list[int] = []
+    """Every token that ends the sequence (Llama 3 declares several)."""
     arrival_time: float = 0.0
     resumed_output_token_ids: list[int] | None = None
     """A request replayed on a restarted engine: the output tokens the frontend already has. The engine

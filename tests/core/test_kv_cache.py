@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from nanoserve.core.kv_cache import KVCacheManager
 from nanoserve.core.request import Request
+from nanoserve.model.batch import NULL_BLOCK
 from nanoserve.sampling_params import SamplingParams
 
 BS = 4
@@ -11,7 +12,7 @@ BS = 4
 
 def make_request(request_id: str, prompt: list[int]) -> Request:
     return Request(
-        request_id, prompt, SamplingParams(max_tokens=8), eos_token_id=None, arrival_time=0.0, max_tokens=8
+        request_id, prompt, SamplingParams(max_tokens=8), eos_token_ids=(), arrival_time=0.0, max_tokens=8
     )
 
 
@@ -170,3 +171,37 @@ def test_prefix_caching_disabled():
     assert kv.get_computed_blocks(make_request("b", list(range(9)))) == 0
     assert a.block_hashes == []
     assert kv.prefix_cache_queries == 0
+
+
+def test_blocks_behind_a_sliding_window_are_freed():
+    """Window 6, blocks of 4: a query at position p sees p-5..p, so once the next query sits at 14, blocks
+    0-1 (positions 0-7) are never read again and go back to the pool, their entries NULL_BLOCK."""
+    kv = KVCacheManager(num_blocks=6, block_size=BS, enable_prefix_caching=True, sliding_window=6)
+    r = make_request("a", list(range(10)))
+    admit(kv, r)
+    assert kv.num_free_blocks == 3
+    assert kv.allocate_slots(r, 1)  # next query at 10 sees 5..10: block 0 (0-3) goes
+    assert kv.block_ids("a")[0] == NULL_BLOCK and kv.block_ids("a")[1] != NULL_BLOCK
+    assert kv.num_free_blocks == 4
+    for token in range(10, 14):
+        r.append_output_token(token)
+        r.num_computed_tokens += 1
+        kv.cache_computed_blocks(r)
+        assert kv.allocate_slots(r, 1)
+    # next query at 14 sees 9..14: blocks 0 and 1 are gone; 4 blocks cover 15 tokens, 2 of them live
+    assert kv.block_ids("a")[:2] == [NULL_BLOCK, NULL_BLOCK] and NULL_BLOCK not in kv.block_ids("a")[2:]
+    assert kv.num_free_blocks == 4
+    # the freed full blocks stay in the prefix cache until evicted; finishing frees the rest once
+    other = make_request("b", list(range(9)))
+    assert admit(kv, other) == 8
+    kv.free(r)
+    kv.free(other)
+    assert kv.num_free_blocks == 6 and kv.usage == 0.0
+
+
+def test_no_window_frees_nothing():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    r = make_request("a", list(range(20)))
+    admit(kv, r)
+    assert kv.allocate_slots(r, 1)
+    assert NULL_BLOCK not in kv.block_ids("a")

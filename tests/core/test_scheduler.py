@@ -7,9 +7,9 @@ from collections.abc import Callable
 import pytest
 
 from nanoserve.config import EngineOptions
-from nanoserve.core.batch import RunnerOutput, SchedulerOutput
 from nanoserve.core.request import Request, RequestStatus
 from nanoserve.core.scheduler import Scheduler
+from nanoserve.model.batch import RunnerOutput, SchedulerOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.wire.messages import EngineCoreOutput, FinishReason
 
@@ -30,7 +30,7 @@ def make_request(
 ) -> Request:
     sp = SamplingParams(max_tokens=max_tokens, **params)
     prompt = list(range(first_token, first_token + prompt_len))
-    return Request(request_id, prompt, sp, eos_token_id=EOS, arrival_time=0.0, max_tokens=max_tokens)
+    return Request(request_id, prompt, sp, eos_token_ids=(EOS,), arrival_time=0.0, max_tokens=max_tokens)
 
 
 def fake_run(sched: SchedulerOutput, token_for: Callable[[Request], int] = lambda r: 7) -> RunnerOutput:
@@ -210,6 +210,20 @@ def test_eos_stops():
     assert [o.new_token_ids[0] for o in outputs["a"]] == [7, 7, EOS]
     last = outputs["a"][-1]
     assert last.finish_reason is FinishReason.STOP and last.stop_reason is None
+
+
+def test_any_of_several_eos_ids_stops():
+    """Llama 3 ends turns with <|eot_id|> and text with <|end_of_text|>: either one stops."""
+    s = make_scheduler()
+    for rid in ("a", "b"):
+        r = make_request(rid, max_tokens=10, first_token=100 if rid == "a" else 200)
+        r.eos_token_ids = (EOS, 9)
+        s.add_request(r)
+    ends = {"a": EOS, "b": 9}
+    outputs = run_to_completion(s, token_for=lambda r: ends[r.request_id] if r.num_output_tokens == 1 else 7)
+    for rid, end in ends.items():
+        assert [o.new_token_ids[0] for o in outputs[rid]] == [7, end]
+        assert outputs[rid][-1].finish_reason is FinishReason.STOP and outputs[rid][-1].stop_reason is None
 
 
 def test_ignore_eos():

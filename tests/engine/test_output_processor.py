@@ -17,7 +17,7 @@ def tokenizer(tokenizer_dir):
 
 
 def make_request(tokenizer, request_id: str, **params) -> EngineCoreRequest:
-    return EngineCoreRequest(request_id, tokenizer("Tell me:").input_ids, SamplingParams(**params), 2)
+    return EngineCoreRequest(request_id, tokenizer("Tell me:").input_ids, SamplingParams(**params), [2])
 
 
 def step(*outputs: EngineCoreOutput) -> EngineCoreOutputs:

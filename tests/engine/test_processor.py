@@ -21,7 +21,7 @@ def tokenizer(tokenizer_dir):
 
 @pytest.fixture
 def processor(tokenizer):
-    return Processor(tokenizer, MAX_MODEL_LEN, tokenizer.eos_token_id)
+    return Processor(tokenizer, MAX_MODEL_LEN, (tokenizer.eos_token_id, 7))
 
 
 def test_prompt_forms(processor, tokenizer):
@@ -37,7 +37,7 @@ def test_prompt_forms(processor, tokenizer):
         assert got_text == text
         assert request.prompt_token_ids == ids
         assert request.request_id == "r"
-        assert request.eos_token_id == tokenizer.eos_token_id
+        assert request.eos_token_ids == [tokenizer.eos_token_id, 7]
 
 
 @pytest.mark.parametrize("prompt", ["", [], {"prompt_token_ids": []}])

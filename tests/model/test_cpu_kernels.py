@@ -24,20 +24,24 @@ def kernels():
     return module
 
 
-def _reference(q, kv_cache, block_table, seq_lens):
+def _reference(q, kv_cache, block_table, seq_lens, window=0, softcap=0.0):
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
     out = []
     for seq in range(num_seqs):
         context = int(seq_lens[seq])
+        first = max(0, context - window) if window else 0
         blocks = block_table[seq, : math.ceil(context / block_size)].long()
         k, v = (
-            kv_cache[i][:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :context].float() for i in (0, 1)
+            kv_cache[i][:, blocks].reshape(num_kv_heads, -1, head_dim)[:, first:context].float()
+            for i in (0, 1)
         )
         per_kv = num_heads // num_kv_heads
         k, v = k.repeat_interleave(per_kv, 0), v.repeat_interleave(per_kv, 0)
-        probs = torch.softmax(q[seq].float().unsqueeze(1) @ k.transpose(1, 2) / math.sqrt(head_dim), -1)
-        out.append((probs @ v).reshape(-1))
+        scores = q[seq].float().unsqueeze(1) @ k.transpose(1, 2) / math.sqrt(head_dim)
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        out.append((torch.softmax(scores, -1) @ v).reshape(-1))
     return torch.stack(out)
 
 
@@ -74,12 +78,37 @@ def test_decode_attention_matches_reference(kernels, two_threads, head_dim, dtyp
     q, kv_cache = q.to(dtype), kv_cache.to(dtype)
     block_table = torch.stack([torch.randperm(num_blocks)[:64] for _ in seq_lens]).int()
 
-    out = kernels.paged_decode_attention(q, kv_cache, block_table, seq_lens, 1 / math.sqrt(head_dim))
+    out = kernels.paged_decode_attention(q, kv_cache, block_table, seq_lens, 1 / math.sqrt(head_dim), 0, 0.0)
 
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(
         out.float(), _reference(q, kv_cache, block_table, seq_lens), atol=tolerance, rtol=0
     )
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+    "window, softcap", [(40, 0.0), (0, 2.0), (300, 2.0)], ids=["window", "softcap", "both"]
+)
+def test_decode_attention_window_and_softcap(kernels, two_threads, case, window, softcap):
+    """A window starts the walk inside a block, and blocks behind it are never read: they hold NaN here,
+    as a freed and reused block may hold anything."""
+    torch.manual_seed(window)
+    num_heads, num_kv_heads, lengths = CASES[case]
+    block_size, num_blocks, head_dim = 16, 160, 64
+    seq_lens = torch.tensor(lengths, dtype=torch.int64)
+    kv_cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim) * 2
+    q = torch.randn(len(seq_lens), num_heads, head_dim)
+    block_table = torch.stack([torch.randperm(num_blocks - 1)[:64] for _ in seq_lens]).int()
+    reference = _reference(q, kv_cache, block_table, seq_lens, window, softcap)
+    kv_cache[:, :, num_blocks - 1] = float("nan")
+    for seq, length in enumerate(lengths):
+        first = max(0, length - window) if window else 0
+        block_table[seq, : first // block_size] = num_blocks - 1
+    out = kernels.paged_decode_attention(
+        q, kv_cache, block_table, seq_lens, 1 / math.sqrt(head_dim), window, softcap
+    )
+    torch.testing.assert_close(out, reference, atol=1e-4, rtol=0)
 
 
 def test_builds_are_kept_apart_per_cpu():

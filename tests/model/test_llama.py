@@ -141,8 +141,8 @@ def test_rope_scaling_matches_transformers(rope):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from nanoserve.model.config import ModelConfig
-    from nanoserve.model.llama import rope_inv_freq
+    from nanoserve.model.layers.rotary import rope_inv_freq
+    from nanoserve.model.models.llama import config_from_hf
 
     hf = dict(
         vocab_size=10,
@@ -155,7 +155,10 @@ def test_rope_scaling_matches_transformers(rope):
         rope_scaling=dict(rope),
     )
     ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](LlamaConfig(**hf), torch.device("cpu"))
-    inv_freq, factor = rope_inv_freq(ModelConfig.from_hf({**hf, "model_type": "llama"}, "x"))
+    config = config_from_hf(hf, "LlamaForCausalLM", "x")
+    inv_freq, factor = rope_inv_freq(
+        config.rotary_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+    )
     torch.testing.assert_close(inv_freq, ref_inv_freq.float(), atol=0, rtol=1e-6)
     assert factor == pytest.approx(ref_factor)
 
@@ -185,11 +188,11 @@ def test_attention_metadata_groups():
         5,
     ]
     # request 2 has 4 cached tokens: its queries see keys 0..4 and 0..5
-    assert prefill.mask[1, :2, :7].tolist() == [[True] * 5 + [False] * 2, [True] * 6 + [False]]
+    assert prefill.visible(None)[1, :2, :7].tolist() == [[True] * 5 + [False] * 2, [True] * 6 + [False]]
 
 
 def test_bf16_prepacked_linears_match_plain(tiny_gqa_dir):
-    from nanoserve.model.llama import Linear, cpu_prepack_supported
+    from nanoserve.model.layers.linear import Linear, cpu_prepack_supported
 
     path = str(tiny_gqa_dir)
     model = load_model(path, load_model_config(path), torch.bfloat16, torch.device("cpu"))

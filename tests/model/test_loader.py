@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -12,15 +11,10 @@ import pytest
 import torch
 
 from nanoserve.model.attention import allocate_kv_cache, build_attention_metadata
-from nanoserve.model.config import ModelConfig
-from nanoserve.model.llama import rope_inv_freq
-from nanoserve.model.loader import (
-    load_model,
-    load_model_config,
-    load_tokenizer,
-    resolve_dtype,
-    resolve_model_path,
-)
+from nanoserve.model.layers.rotary import rope_inv_freq
+from nanoserve.model.loader import load_model, load_model_config, resolve_dtype
+from nanoserve.model.models import llama, qwen2
+from nanoserve.model_files import load_tokenizer, resolve_model_path
 
 CPU = torch.device("cpu")
 
@@ -52,7 +46,6 @@ def test_bundled_gguf_config(bundled_gguf_path):
     assert config.tie_word_embeddings and not config.attention_bias
     assert config.max_position_embeddings == 8192
     assert config.rms_norm_eps == pytest.approx(1e-5)
-    assert (config.bos_token_id, config.eos_token_id) == (1, 2)
 
 
 def test_bundled_gguf_weights_match_transformers(bundled_model, hf_bundled_model):
@@ -165,17 +158,16 @@ def test_config_from_hf_variants():
     base = dict(
         vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
     )
-    qwen = ModelConfig.from_hf({**base, "architectures": ["Qwen2ForCausalLM"], "eos_token_id": [5, 7]}, "q")
-    assert qwen.attention_bias and not qwen.o_proj_bias
-    assert qwen.eos_token_id == 5 and qwen.eos_token_ids == (5, 7) and qwen.num_kv_heads == 2
-    old_style = ModelConfig.from_hf(
-        {**base, "model_type": "llama", "rope_theta": 5.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
+    qwen = qwen2.config_from_hf(base, "Qwen2ForCausalLM", "q")
+    assert qwen.attention_bias and not qwen.o_proj_bias and qwen.num_kv_heads == 2
+    old_style = llama.config_from_hf(
+        {**base, "rope_theta": 5.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
+        "LlamaForCausalLM",
         "l",
     )
-    assert old_style.architecture == "LlamaForCausalLM" and old_style.rope_theta == 5.0
-    assert old_style.rope_scaling == {"type": "linear", "factor": 2.0, "rope_type": "linear"}
+    assert old_style.rope_theta == 5.0 and old_style.rope_scaling == {"factor": 2.0, "rope_type": "linear"}
     with pytest.raises(ValueError, match="rope_scaling"):
-        ModelConfig.from_hf({**base, "model_type": "llama", "rope_scaling": {"rope_type": "longrope"}}, "l")
+        llama.config_from_hf({**base, "rope_scaling": {"rope_type": "dynamic"}}, "LlamaForCausalLM", "l")
 
 
 _GGUF_NAMES = {
@@ -220,8 +212,9 @@ def test_gguf_quant_types_and_unpermute(tiny_model_dir, tmp_path):
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     if hf_config.rope_scaling is not None:  # llama.cpp stores Llama 3 scaling as per-frequency divisors
-        base_inv_freq, _ = rope_inv_freq(dataclasses.replace(hf_config, rope_scaling=None))
-        scaled_inv_freq, _ = rope_inv_freq(hf_config)
+        dim, theta, positions = hf_config.rotary_dim, hf_config.rope_theta, hf_config.max_position_embeddings
+        base_inv_freq, _ = rope_inv_freq(dim, theta, None, positions)
+        scaled_inv_freq, _ = rope_inv_freq(dim, theta, hf_config.rope_scaling, positions)
         writer.add_tensor("rope_freqs.weight", (base_inv_freq / scaled_inv_freq).numpy())
     expected = {}
     for i, (name, w) in enumerate(sorted(state.items())):

@@ -4,15 +4,12 @@ greedy agreement with bf16)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from paged_driver import PagedDriver
+from quality import bf16_model, greedy, on_grid, perplexity, shared_prefix_lengths
 
 from nanoserve.model.kernels import cpu_kernels
-from nanoserve.model.llama import Linear
-from nanoserve.model.loader import load_model, load_model_config
 from nanoserve.model.quant import (
     GROUP_SIZE,
     fast_kernels,
@@ -35,15 +32,6 @@ def kernels():
 def needs_quant_matmul(kernels):
     if kernels is None:
         pytest.skip("the C++ quant_matmul (AVX-512 VNNI) is not available here")
-
-
-def on_grid(weight: torch.Tensor, bits: int) -> torch.Tensor:
-    """The nearest weight that `bits` codes with groups of 32 represent exactly (bf16 scales aside)."""
-    n, k = weight.shape
-    groups = weight.float().view(n, k // GROUP_SIZE, GROUP_SIZE)
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    scale = (high - low) / (2**bits - 1)
-    return ((groups - low) / scale).round().mul(scale).add(low).view(n, k).to(weight.dtype)
 
 
 def int8_activations(x: torch.Tensor) -> torch.Tensor:
@@ -87,19 +75,6 @@ def test_int8_without_the_kernels_is_a_clear_error():
     assert quantization_error("none", torch.device("cuda"), None) is None
 
 
-def _bf16_model(path: str, method: str, kernels, snap: bool = False):
-    model = load_model(path, load_model_config(path), torch.bfloat16, CPU)
-    if snap:
-        for layer in model.layers:
-            for module in layer.modules():
-                if isinstance(module, Linear):
-                    module.weight.copy_(on_grid(module.weight, 4))
-        model.prepack_for_cpu()
-    if method != "none":
-        model.quantize(method, kernels)
-    return model
-
-
 def _step_logits(model, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of one prefill step bigger than any quantized path takes, then of three decode steps."""
     driver = PagedDriver(model, prompts)
@@ -119,8 +94,8 @@ def test_int4_steps_use_the_weights_their_kernel_serves(tiny_gqa_dir, kernels, s
         kernels = None
     prompts = [list(range(5, 55)), list(range(100, 130))]  # an 80-token prefill: above torch's 16
     path = str(tiny_gqa_dir)
-    bf16_prefill, bf16_decode = _step_logits(_bf16_model(path, "none", kernels, snap), prompts)
-    int4_prefill, int4_decode = _step_logits(_bf16_model(path, "int4", kernels, snap), prompts)
+    bf16_prefill, bf16_decode = _step_logits(bf16_model(path, "none", kernels, snap), prompts)
+    int4_prefill, int4_decode = _step_logits(bf16_model(path, "int4", kernels, snap), prompts)
     prefill_quantized = backend == "quant_matmul"
     for bf16, int4, quantized in (
         (bf16_prefill, int4_prefill, prefill_quantized),
@@ -160,23 +135,12 @@ a 110-token text, changes as small as the order of a rounding moved it by 1%). M
 kernel: int4 1.008x, int8 1.003x."""
 
 
-def _perplexity(model, token_ids: list[int]) -> float:
-    """Teacher-forced 4 tokens a step, as decode at small batch runs: a quantized model uses its
-    quantized weights everywhere, the lm_head's included."""
-    driver = PagedDriver(model, [token_ids], num_blocks=160)
-    for start in range(0, len(token_ids), 4):
-        driver.step({0: min(4, len(token_ids) - start)})
-    logits = torch.stack(driver.logits[0][:-1])
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(token_ids[1:]))
-    return math.exp(nll.item())
-
-
 @pytest.fixture(scope="module")
 def bf16_perplexity(bundled_gguf_path):
-    from nanoserve.model.loader import load_tokenizer
+    from nanoserve.model_files import load_tokenizer
 
     token_ids = load_tokenizer(bundled_gguf_path).encode(QUALITY_TEXT)
-    return token_ids, _perplexity(_bf16_model(bundled_gguf_path, "none", None), token_ids)
+    return token_ids, perplexity(bf16_model(bundled_gguf_path, "none", None), token_ids)
 
 
 @pytest.mark.parametrize("method", ["int4", "int8"])
@@ -184,7 +148,7 @@ def test_perplexity_on_bundled_model(bundled_gguf_path, bf16_perplexity, kernels
     if quantization_error(method, CPU, kernels):
         pytest.skip(quantization_error(method, CPU, kernels))
     token_ids, bf16 = bf16_perplexity
-    quantized = _perplexity(_bf16_model(bundled_gguf_path, method, kernels), token_ids)
+    quantized = perplexity(bf16_model(bundled_gguf_path, method, kernels), token_ids)
     print(f"perplexity bf16 {bf16:.3f}, {method} {quantized:.3f} ({quantized / bf16:.4f}x)")
     assert quantized < PERPLEXITY_BOUND[method] * bf16
 
@@ -205,27 +169,16 @@ AGREEMENT_PROMPTS. Measured with the C++ kernel: int4 17.3, int8 23.9 (greedy pa
 near-tie, so a sound model still diverges early on a few prompts; a broken one at once on all)."""
 
 
-def _greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    driver = PagedDriver(model, prompts, num_blocks=160)
-    driver.step({i: len(p) for i, p in enumerate(prompts)})
-    for _ in range(new_tokens - 1):
-        driver.step({i: 1 for i in range(len(prompts))})
-    return [driver.tokens[i][len(p) :] for i, p in enumerate(prompts)]
-
-
 @pytest.mark.parametrize("method", ["int4", "int8"])
 def test_greedy_agreement_with_bf16(bundled_gguf_path, kernels, method):
     if quantization_error(method, CPU, kernels):
         pytest.skip(quantization_error(method, CPU, kernels))
-    from nanoserve.model.loader import load_tokenizer
+    from nanoserve.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(bundled_gguf_path)
     prompts = [tokenizer.encode(p) for p in AGREEMENT_PROMPTS]
-    reference = _greedy(_bf16_model(bundled_gguf_path, "none", None), prompts, 32)
-    quantized = _greedy(_bf16_model(bundled_gguf_path, method, kernels), prompts, 32)
-    shared = []
-    for ours, theirs in zip(quantized, reference, strict=True):
-        n = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), len(ours))
-        shared.append(n)
+    reference = greedy(bf16_model(bundled_gguf_path, "none", None), prompts, 32)
+    quantized = greedy(bf16_model(bundled_gguf_path, method, kernels), prompts, 32)
+    shared = shared_prefix_lengths(quantized, reference)
     print(f"{method}: greedy tokens shared with bf16 per prompt {shared}")
     assert sum(shared) / len(shared) >= MIN_MEAN_AGREEMENT

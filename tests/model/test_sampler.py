@@ -13,7 +13,7 @@ VOCAB = 50
 
 def make_request(rid: str = "r", prompt=(1, 2, 3), output=(), **params) -> Request:
     request = Request(
-        rid, list(prompt), SamplingParams(**params), eos_token_id=2, arrival_time=0.0, max_tokens=100
+        rid, list(prompt), SamplingParams(**params), eos_token_ids=(2,), arrival_time=0.0, max_tokens=100
     )
     for t in output:
         request.append_output_token(t)
@@ -102,6 +102,14 @@ def test_min_tokens_suppresses_eos_and_stop_tokens():
     assert Sampler(0).sample(logits, [request])[0] == [12]
     request = make_request(output=(20, 21), temperature=0, min_tokens=2, stop_token_ids=[11])
     assert Sampler(0).sample(logits, [request])[0] == [2]
+
+
+def test_min_tokens_suppresses_every_eos_id():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 2], logits[0, 30], logits[0, 12] = 10.0, 9.0, 8.0
+    request = make_request(temperature=0, min_tokens=1)
+    request.eos_token_ids = (2, 30)
+    assert Sampler(0).sample(logits, [request])[0] == [12]
 
 
 def test_logprobs_report_sampled_and_top_tokens():

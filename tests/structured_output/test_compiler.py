@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from nanoserve.sampling_params import StructuredOutputsParams
-from nanoserve.structured_output import GrammarCompiler, apply_bitmask, validate
+from nanoserve.structured_output import validate
+from nanoserve.structured_output.bitmask import apply_bitmask
+from nanoserve.structured_output.compiler import GrammarCompiler
 
 SCHEMA = {
     "type": "object",

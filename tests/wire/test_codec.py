@@ -36,7 +36,7 @@ def roundtrip(obj: Any, type_: Any = Any, threshold: int | None = None) -> Any:
 @pytest.mark.timeout(30)
 def test_typed_messages_roundtrip():
     req = EngineCoreRequest(
-        "r1", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=7, stop=["x"]), 2, 1.5
+        "r1", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=7, stop=["x"]), [2, 7], 1.5
     )
     assert roundtrip(req, EngineCoreRequest) == req
     outs = EngineCoreOutputs(

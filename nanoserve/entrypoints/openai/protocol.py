@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -225,21 +226,32 @@ class SamplingRequest(OpenAIRequest):
     def response_id(self, prefix: str) -> str:
         return f"{prefix}-{self.request_id}" if self.request_id else random_id(prefix)
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """max_tokens: the value to use (None: up to the context length)."""
+    def to_sampling_params(
+        self, max_tokens: int | None, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
+        """max_tokens: the value to use (None: up to the context length). defaults: the model's generation
+        config (nanoserve.model_files.generation_defaults), for the sampling fields this request leaves out."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
+
+        def field(name: str, fallback: Any) -> Any:
+            """The client's value, else the model's default, else OpenAI's."""
+            value = getattr(self, name)
+            if name in self.model_fields_set and value is not None:
+                return value
+            return (defaults or {}).get(name, fallback)
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=field("temperature", 1.0),
+            top_p=field("top_p", 1.0),
+            top_k=field("top_k", 0),
+            min_p=field("min_p", 0.0),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=field("repetition_penalty", 1.0),
             stop=stop or None,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,

@@ -109,6 +109,8 @@ class OpenAIServing:
         room = max_model_len - num_prompt_tokens
         asked = request.requested_max_tokens()
         explicit = bool({"max_tokens", "max_completion_tokens"} & request.model_fields_set)
+        if not explicit:
+            asked = self.engine.generation_defaults.get("max_tokens", asked)
         if asked is None or (not explicit and asked > room):
             return room
         if asked > room:
@@ -127,7 +129,7 @@ class OpenAIServing:
         max_tokens = self.fit_max_tokens(request, len(prompt["prompt_token_ids"]))
         check_constraint(request, overrides.get("structured_outputs"))
         try:
-            params = request.to_sampling_params(max_tokens)
+            params = request.to_sampling_params(max_tokens, self.engine.generation_defaults)
             if overrides:
                 params = msgspec.structs.replace(params, **overrides)
             return await self.engine.add_request(request_id, prompt, params)

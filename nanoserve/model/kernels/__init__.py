@@ -57,8 +57,9 @@ def library_name(cpu: str) -> str:
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The module with `paged_decode_attention(q [S, H, D], kv_cache, block_table int32 [S, B], seq_lens
-    int64 [S], scale) -> [S, H * D]`, `rope_write_kv(qkv, cos_sin, kv_cache, slot_mapping, H, Hkv) -> q`,
-    `rms_norm(x [T, hidden], weight, eps)` and `silu_and_mul(x [T, 2 I]) -> [T, I]`, bfloat16 or float32,
+    int64 [S], scale, window, softcap) -> [S, H * D]` (window, softcap 0: none), `rope_write_kv(qkv, cos_sin,
+    kv_cache, slot_mapping, H, Hkv) -> q`, `rms_norm(x [T, hidden], weight, eps)` and `silu_and_mul(x [T, 2 I])`
+    / `gelu_tanh_and_mul(x [T, 2 I]) -> [T, I]`, bfloat16 or float32,
     and `quant_matmul(x, codes, scales, bits)` where `quant_matmul_supported()` (see
     nanoserve.model.quant); None when it cannot be built here."""
     name = library_name(cpu_identity())

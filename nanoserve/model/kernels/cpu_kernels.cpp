@@ -4,14 +4,17 @@
 // cache (bf16 q.k products with AVX512-BF16 where the head size is 64). Each (sequence, KV head) pair is one task that walks the context a cache block at a time: its
 // query heads' scores for the block, a running softmax (max and total rescaled when the max grows), and
 // the weighted sum of the block's V rows. Each cached K and V row is read once, in place. With fewer tasks
-// than threads can share, long contexts are split into parts whose results are merged.
+// than threads can share, long contexts are split into parts whose results are merged. A sliding window
+// starts the walk at the window's first position (blocks before it may be freed); soft-capping maps each
+// score to cap * tanh(score / cap) (Gemma 2).
 //
 // rms_norm: one pass per row in float32, where PyTorch's CPU rms_norm is a chain of eight ops.
 //
 // rope_write_kv: rotary embedding of q and k straight out of the fused qkv projection, k and v written
 // to the cache on the way: one pass where PyTorch needs slices, a roll, a multiply and an addcmul.
 //
-// silu_and_mul: silu(gate) * up over the fused gate/up projection, one pass instead of three ops.
+// silu_and_mul, gelu_tanh_and_mul: act(gate) * up over the fused gate/up projection, one pass instead of
+// three ops.
 //
 // quant_matmul (quant_matmul.cpp): group-quantized weights times int8-quantized activations, for decode.
 #include <torch/extension.h>
@@ -70,31 +73,40 @@ constexpr int64_t MIN_PART_TOKENS = 256;
 template <typename T, int FIXED_D>
 void decode_attention(const T* q, const T* kv, const int32_t* block_table, const int64_t* seq_lens, T* out,
                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
-                      int64_t block_size, int64_t head_dim, int64_t max_blocks, float scale) {
+                      int64_t block_size, int64_t head_dim, int64_t max_blocks, float scale, int64_t window,
+                      float softcap) {
   // a head size known at compile time lets the compiler unroll and vectorize every row loop
   const int64_t D = FIXED_D > 0 ? FIXED_D : head_dim;
   const int64_t per_kv = num_heads / num_kv_heads;
   const int64_t head_stride = num_blocks * block_size * D;
   const int64_t v_offset = num_kv_heads * head_stride;  // kv[1] - kv[0]
+  // the first position each sequence attends to: 0, or the start of its window
+  auto first_position = [&](int64_t seq) { return window > 0 ? std::max<int64_t>(0, seq_lens[seq] - window) : 0; };
+  int64_t longest = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) longest = std::max(longest, seq_lens[seq] - first_position(seq));
   // Few (sequence, KV head) tasks would leave threads idle (3 KV heads on 2 threads at batch 1): then
   // long contexts are split into parts, each with its own running softmax, merged at the end.
   const int64_t tasks = num_seqs * num_kv_heads, threads = at::get_num_threads();
-  const int64_t longest = *std::max_element(seq_lens, seq_lens + num_seqs);
   int64_t parts = 1;
   if (tasks < 2 * threads)
     parts = std::max<int64_t>(1, std::min((2 * threads + tasks - 1) / tasks, longest / MIN_PART_TOKENS));
-  const int64_t part_blocks = ((longest + parts - 1) / parts + block_size - 1) / block_size;
+  const int64_t part_tokens = (longest + parts - 1) / parts;
   // per (task, part): the running max and total of each query head, and its unnormalized sum of V rows
   std::vector<float> part_max(tasks * parts * per_kv), part_total(tasks * parts * per_kv);
   std::vector<float> part_acc(tasks * parts * per_kv * D);
 
   at::parallel_for(0, tasks * parts, 1, [&](int64_t begin, int64_t end) {
+    // the positions [start, stop) an item covers
+    auto item_start = [&](int64_t item) { return first_position(item / parts / num_kv_heads) + item % parts * part_tokens; };
+    auto item_stop = [&](int64_t item) {
+      return std::min(seq_lens[item / parts / num_kv_heads], item_start(item) + part_tokens);
+    };
     // a sequence's blocks sit anywhere in the cache, each too short for the hardware prefetcher to pick up:
     // ask for them a few blocks ahead (the first ones while the previous item runs). Inlined by force: GCC
     // counts a prefetch as no effect, and would drop a call to a function that does nothing else.
     auto prefetch_block = [&](int64_t item, int64_t index) __attribute__((always_inline)) {
       const int64_t task = item / parts, seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-      if (index >= (item % parts + 1) * part_blocks || index * block_size >= seq_lens[seq]) return;
+      if (index * block_size >= item_stop(item)) return;
       const int64_t offset = kv_head * head_stride + block_table[seq * max_blocks + index] * block_size * D;
       const char* k = reinterpret_cast<const char*>(kv + offset);
       const char* v = reinterpret_cast<const char*>(kv + offset + v_offset);
@@ -106,8 +118,7 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
     std::vector<float> query(per_kv * D), scores(per_kv * block_size), row(D), rows(block_size * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t task = item / parts, seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t first_block = item % parts * part_blocks;
-      const int64_t context = std::min(seq_lens[seq], (first_block + part_blocks) * block_size);
+      const int64_t start = item_start(item), stop = item_stop(item);
       const T* q_seq = q + (seq * num_heads + kv_head * per_kv) * D;
       for (int64_t i = 0; i < per_kv * D; ++i) query[i] = to_float(q_seq[i]) * scale;
       float* acc = part_acc.data() + item * per_kv * D;
@@ -119,18 +130,21 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
       const T* k_head = kv + kv_head * head_stride;
       const T* v_head = k_head + v_offset;
       for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i) {
-        if (item == begin) prefetch_block(item, first_block + i);
-        if (item + 1 < end) prefetch_block(item + 1, (item + 1) % parts * part_blocks + i);
+        if (item == begin) prefetch_block(item, start / block_size + i);
+        if (item + 1 < end) prefetch_block(item + 1, item_start(item + 1) / block_size + i);
       }
-      // a block of tokens at a time, with a running softmax (max and total rescaled per block)
-      for (int64_t start = first_block * block_size; start < context; start += block_size) {
-        const int64_t block = block_table[seq * max_blocks + start / block_size];
-        const int64_t n = std::min(block_size, context - start);
-        const T* k = k_head + block * block_size * D;
-        prefetch_block(item, start / block_size + PREFETCH_BLOCKS);
-        score_rows<T, FIXED_D>(k, n, D, per_kv, q_seq, query.data(), scale, row.data(), scores.data(), block_size);
+      // the rest of a block at a time, with a running softmax (max and total rescaled per block)
+      for (int64_t position = start; position < stop;) {
+        const int64_t block = block_table[seq * max_blocks + position / block_size];
+        const int64_t first = block * block_size + position % block_size;  // the position's cache slot
+        const int64_t n = std::min(block_size - position % block_size, stop - position);
+        prefetch_block(item, position / block_size + PREFETCH_BLOCKS);
+        score_rows<T, FIXED_D>(k_head + first * D, n, D, per_kv, q_seq, query.data(), scale, row.data(),
+                               scores.data(), block_size);
         for (int64_t h = 0; h < per_kv; ++h) {
           float* s = scores.data() + h * block_size;
+          if (softcap > 0.f)
+            for (int64_t t = 0; t < n; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
           float block_max = max_score[h];
           for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
           if (block_max > max_score[h]) {
@@ -142,7 +156,7 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
           }
           for (int64_t t = 0; t < n; ++t) total[h] += (s[t] = std::exp(s[t] - block_max));
         }
-        const T* v = v_head + block * block_size * D;
+        const T* v = v_head + first * D;
         for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(v[i]);
         for (int64_t h = 0; h < per_kv; ++h) {
           const float* p = scores.data() + h * block_size;
@@ -158,6 +172,7 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
               for (int64_t d = 0; d < D; ++d) a[d] += p[t] * rows[t * D + d];
           }
         }
+        position += n;
       }
     }
   });
@@ -190,12 +205,12 @@ template <typename T>
 void decode_attention_any(int64_t head_dim, const T* q, const T* kv, const int32_t* block_table,
                           const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t num_heads,
                           int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                          float scale) {
+                          float scale, int64_t window, float softcap) {
   switch (head_dim) {
 #define NANOSERVE_HEAD_DIM(D)                                                                              \
   case D:                                                                                                  \
     return decode_attention<T, D>(q, kv, block_table, seq_lens, out, num_seqs, num_heads, num_kv_heads,    \
-                                  num_blocks, block_size, head_dim, max_blocks, scale);
+                                  num_blocks, block_size, head_dim, max_blocks, scale, window, softcap);
     NANOSERVE_HEAD_DIM(32)
     NANOSERVE_HEAD_DIM(64)
     NANOSERVE_HEAD_DIM(80)
@@ -205,16 +220,17 @@ void decode_attention_any(int64_t head_dim, const T* q, const T* kv, const int32
 #undef NANOSERVE_HEAD_DIM
     default:
       decode_attention<T, 0>(q, kv, block_table, seq_lens, out, num_seqs, num_heads, num_kv_heads, num_blocks,
-                             block_size, head_dim, max_blocks, scale);
+                             block_size, head_dim, max_blocks, scale, window, softcap);
   }
 }
 
 }  // namespace
 
 // q: [S, H, D]; kv_cache: [2, Hkv, num_blocks, block_size, D]; block_table: int32 [S, max_blocks];
-// seq_lens: int64 [S] (context including the new token, already written to the cache) -> [S, H * D].
+// seq_lens: int64 [S] (context including the new token, already written to the cache); window: the last
+// positions attended to (0: all); softcap: cap of cap * tanh(score / cap) (0: none) -> [S, H * D].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
-                                     torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous());
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and the KV cache must share a dtype");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt64);
@@ -226,12 +242,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
     decode_attention_any(head_dim, q.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>(),
                          block_table.data_ptr<int32_t>(), lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(),
                          num_seqs, num_heads, num_kv_heads, num_blocks, block_size, block_table.size(1),
-                         static_cast<float>(scale));
+                         static_cast<float>(scale), window, static_cast<float>(softcap));
   } else {
     TORCH_CHECK(q.scalar_type() == torch::kFloat32, "bfloat16 or float32 only");
     decode_attention_any(head_dim, q.data_ptr<float>(), kv_cache.data_ptr<float>(), block_table.data_ptr<int32_t>(),
                          lens.data_ptr<int64_t>(), out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads,
-                         num_blocks, block_size, block_table.size(1), static_cast<float>(scale));
+                         num_blocks, block_size, block_table.size(1), static_cast<float>(scale), window,
+                         static_cast<float>(softcap));
   }
   return out;
 }
@@ -310,17 +327,19 @@ void rope_rows(const T* qkv, const T* cos_sin, T* q_out, T* cache, const int64_t
   });
 }
 
-template <typename T>
-void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t width) {
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+inline float gelu_tanh(float g) {  // PyTorch's gelu(approximate="tanh")
+  return 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+
+template <typename T, float (*ACT)(float)>
+void act_mul_rows(const T* x, T* out, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * 2 * width;
       const T* up = gate + width;
       T* o = out + r * width;
-      for (int64_t i = 0; i < width; ++i) {
-        const float g = to_float(gate[i]);
-        o[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_float(up[i]));
-      }
+      for (int64_t i = 0; i < width; ++i) o[i] = static_cast<T>(ACT(to_float(gate[i])) * to_float(up[i]));
     }
   });
 }
@@ -350,20 +369,24 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos_sin, torch::Ten
   return q;
 }
 
-// x: [T, 2 * I] (gate, then up) -> [T, I]
-torch::Tensor silu_and_mul(torch::Tensor x) {
+template <float (*ACT)(float)>
+torch::Tensor act_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0);
   auto in = x.contiguous();
   const int64_t width = in.size(1) / 2;
   auto out = torch::empty({in.size(0), width}, in.options());
   if (in.scalar_type() == torch::kBFloat16) {
-    silu_mul_rows(in.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), in.size(0), width);
+    act_mul_rows<at::BFloat16, ACT>(in.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), in.size(0), width);
   } else {
     TORCH_CHECK(in.scalar_type() == torch::kFloat32, "bfloat16 or float32 only");
-    silu_mul_rows(in.data_ptr<float>(), out.data_ptr<float>(), in.size(0), width);
+    act_mul_rows<float, ACT>(in.data_ptr<float>(), out.data_ptr<float>(), in.size(0), width);
   }
   return out;
 }
+
+// x: [T, 2 * I] (gate, then up) -> act(gate) * up [T, I]
+torch::Tensor silu_and_mul(torch::Tensor x) { return act_and_mul<silu>(x); }
+torch::Tensor gelu_tanh_and_mul(torch::Tensor x) { return act_and_mul<gelu_tanh>(x); }
 
 bool quant_matmul_supported();
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits);
@@ -371,6 +394,7 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv);
   m.def("silu_and_mul", &silu_and_mul);
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("rms_norm", &rms_norm);
   m.def("quant_matmul_supported", &quant_matmul_supported);

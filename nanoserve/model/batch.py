@@ -1,0 +1,99 @@
+"""The runner's input contract: what the scheduler hands the model runner each step, and what comes back.
+
+It lives in model/ so that the runner and the sampler read requests through `SequenceState` (a
+Protocol the engine core's Request satisfies) without importing core/: core imports model, never the
+other way round.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from nanoserve.structured_output.matcher import GrammarMatcher
+
+
+class SequenceState(Protocol):
+    """What the runner and the sampler read of one request."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    all_token_ids: list[int]
+    """Prompt then output tokens."""
+    output_token_ids: list[int]
+    num_computed_tokens: int
+    """Tokens whose K/V are in the cache."""
+    generator: torch.Generator | None
+    """The request's own random generator when it has a seed."""
+    grammar: GrammarMatcher | None
+    """Its structured-output matcher, once compiled."""
+    prompt_logprobs: list[list[tuple[int, float]]]
+    """Prompt logprobs computed so far, when the request asked for them."""
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    @property
+    def needs_prompt_logprobs(self) -> bool: ...
+
+
+NULL_BLOCK = -1
+"""A block-table entry whose block was freed (out of every layer's sliding window): never read."""
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_new_tokens` tokens of one request, starting at `request.num_computed_tokens`."""
+
+    request: SequenceState
+    num_new_tokens: int
+    block_ids: list[int]
+    """The request's whole block table (shared with the KV cache manager; read-only here). Blocks that
+    fell out of a sliding window are NULL_BLOCK."""
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so a new token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    """Decodes first, then prefills, in the order the runner lays out the batch."""
+    preempted_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Future[torch.Tensor] | None = None
+    """Being filled while the model runs: one row per sampling chunk with a grammar, in chunk order."""
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class RunnerOutput:
+    """One entry per sampling chunk of the SchedulerOutput, in the same order."""
+
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[list[tuple[int, float]] | None]
+    """Per sampled token: [(sampled_id, logprob), (top_id, logprob)...], or None when not requested."""
+    prompt_logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
+    """Request id -> the prompt logprobs this step computed, continuing `SequenceState.prompt_logprobs`."""

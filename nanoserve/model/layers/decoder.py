@@ -1,0 +1,30 @@
+"""DecoderLayer: the pre-norm block of the Llama lineage, x + attn(norm(x)), then x + mlp(norm(x)); the
+MLP is a GatedMLP or a SparseMoE."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.layers.mlp import GatedMLP
+from nanoserve.model.layers.moe import SparseMoE
+from nanoserve.model.layers.norm import RMSNorm
+from nanoserve.model.layers.self_attention import SelfAttention
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = (
+            SparseMoE(config)
+            if config.moe is not None and layer not in config.moe.dense_layers
+            else GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        )
+
+    def forward(self, x: Tensor, cos_sin: Tensor, kv_cache: Tensor, attn: AttentionMetadata) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,1 @@
+"""One module per model family; each exports its FAMILY, which nanoserve.model.registry lists."""
