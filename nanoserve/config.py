@@ -7,8 +7,9 @@ they come back in `EngineCoreReadyResponse`.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
+
+from nanoserve import envs
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 RUNNERS = ("model", "null")
@@ -18,13 +19,6 @@ MATMUL_CHOICES = ("auto", "fixed")
 START_METHODS = ("spawn", "forkserver", "fork")
 TRANSPORTS = ("ipc", "tcp")
 DP_BACKENDS = ("mp", "ray")
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    return value.strip().lower() not in ("0", "false", "no", "off", "")
 
 
 @dataclass
@@ -43,9 +37,7 @@ class EngineOptions:
     """KV cache budget; default 1 GiB unless num_kv_blocks is given."""
     enable_prefix_caching: bool = True
     seed: int = 0
-    multiprocess_mode: bool = field(
-        default_factory=lambda: _env_flag("NANOSERVE_ENABLE_MULTIPROCESSING", True)
-    )
+    multiprocess_mode: bool = field(default_factory=envs.enable_multiprocessing)
     """Run the engine core in a child process (the default, as in vLLM); NANOSERVE_ENABLE_MULTIPROCESSING=0
     or False selects the in-process engine."""
     device: str = "auto"
@@ -76,6 +68,11 @@ class EngineOptions:
     """ipc: Unix sockets in the temp dir; tcp: loopback ports chosen by the kernel."""
     shutdown_timeout: float = 0.0
     """Seconds an engine core keeps serving in-flight requests after SIGTERM before aborting them."""
+    engine_restarts: int = 0
+    """How many times a dead engine core is restarted within `engine_restart_window` seconds, its
+    unfinished requests resumed where they were; 0: a death is final (needs multiprocess_mode)."""
+    engine_restart_window: float = 600.0
+    """The window of the restart budget, in seconds."""
     data_parallel_size: int = 1
     """Number of engine-core replicas (data-parallel ranks); more than one needs multiprocess_mode."""
     data_parallel_rank: int | None = None
@@ -108,6 +105,15 @@ class EngineOptions:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}.")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}.")
+        if self.engine_restarts < 0:
+            raise ValueError(f"engine_restarts must be non-negative, got {self.engine_restarts}.")
+        if self.engine_restart_window <= 0:
+            raise ValueError(f"engine_restart_window must be positive, got {self.engine_restart_window}.")
+        if self.engine_restarts and not self.multiprocess_mode:
+            raise ValueError(
+                "engine_restarts needs multiprocess_mode: an engine core in the frontend's own process "
+                "dies with it."
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")

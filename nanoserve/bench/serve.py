@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from nanoserve import envs
 from nanoserve.bench.plot import plot_serve
 
 WORDS = (
@@ -332,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("NANOSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        default=envs.api_key() or os.environ.get("OPENAI_API_KEY"),
         help="bearer token (default: $NANOSERVE_API_KEY or $OPENAI_API_KEY)",
     )
     parser.add_argument(

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from nanoserve import envs
 from nanoserve.config import EngineOptions
 from nanoserve.core.request import Request, RequestStatus
 from nanoserve.core.scheduler import Scheduler
@@ -174,6 +175,14 @@ class EngineCore:
         vocab = self.runner.vocab_size
         if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
             return f"Prompt token ids must be in [0, {vocab})."
+        resumed = request.resumed_output_token_ids or []
+        if resumed and (min(resumed) < 0 or max(resumed) >= vocab):
+            return f"Resumed output token ids must be in [0, {vocab})."
+        max_tokens = request.sampling_params.max_tokens
+        if num_prompt + len(resumed) >= self.max_model_len or (
+            max_tokens is not None and len(resumed) >= max_tokens
+        ):
+            return "A resumed request must have at least one token left to generate."
         if self.scheduler.has_request(request.request_id) or any(
             r.request_id == request.request_id for r in self._held_requests
         ):
@@ -273,7 +282,7 @@ class EngineCore:
             return
         if self._profiler is not None:
             self._profiler.stop()
-            out_dir = os.environ.get("NANOSERVE_TORCH_PROFILER_DIR", "profiles")
+            out_dir = envs.torch_profiler_dir()
             os.makedirs(out_dir, exist_ok=True)
             path = os.path.join(out_dir, f"engine{self.engine_rank}-{int(time.time())}.pt.trace.json")
             self._profiler.export_chrome_trace(path)

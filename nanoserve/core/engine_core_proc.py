@@ -10,10 +10,12 @@ Sockets (the frontend binds both, this process connects):
 Threads: the input thread receives and decodes into `input_queue`; the main thread runs the busy loop
 (drain inputs, step while there is work); the output thread encodes and sends, so (de)serialization
 overlaps the model step.
+Everything sent carries this start's `incarnation`, so the frontend can tell a restarted rank's messages
+from those still in flight from the one that died.
 Failure: any exception in the busy loop (or during start-up) sends `EngineCoreOutputs(death=...)`, then
 the single frame `ENGINE_CORE_DEAD`, flushes, and exits 1. SIGTERM/SIGINT: stop admitting, drain
-in-flight requests for `shutdown_timeout` seconds, abort the rest, exit 0. If the frontend process
-dies, this one follows it (parent-death signal, plus a thread that notices re-parenting).
+in-flight requests for `shutdown_timeout` seconds, abort the rest, exit 0. The process around it
+(entry point, signals, parent death) is `bootstrap.py`.
 """
 
 from __future__ import annotations
@@ -21,17 +23,16 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import ctypes
 import gc
 import logging
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -52,21 +53,37 @@ from nanoserve.wire.messages import (
     EngineLoad,
     FinishReason,
     UtilityOutput,
+    engine_identity,
 )
 
 logger = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
-PARENT_POLL_INTERVAL_S = 0.5
 OUTPUT_LINGER_MS = 4000
+"""How long the output socket keeps trying to deliver the last messages (a death record) at exit."""
+INPUT_THREAD_JOIN_S = 1.0
+"""The input thread ends at once when told to; waiting longer would only hide a stuck socket."""
+DEFERRED_UTILITY_POLL_S = 0.05
+"""While a utility waits for the engine to go idle (sleep mode="wait"), how often the idle loop checks."""
 TRACEBACK_TAIL_LINES = 25
 
 _WAKEUP = object()  # input-queue sentinel: re-check the shutdown flag
 _STOP = object()  # output-queue sentinel: flush and end the output thread
 
 
-def engine_identity(engine_rank: int) -> bytes:
-    return engine_rank.to_bytes(2, "little")
+@dataclass(frozen=True)
+class EngineCoreProcArgs:
+    """What an engine-core process (or Ray actor) is started with."""
+
+    options: EngineOptions
+    engine_rank: int
+    input_address: str
+    output_address: str
+    stats_address: str | None = None
+    """Data parallel: the coordinator's PULL."""
+    incarnation: int = 0
+    """How many times this rank was started before (restarts after deaths)."""
+    frontend_pid: int | None = None
+    """The process this one must not outlive; None under Ray (an actor dies with its owner)."""
 
 
 def death_record(engine_rank: int, exc: BaseException) -> EngineDeathRecord:
@@ -75,33 +92,27 @@ def death_record(engine_rank: int, exc: BaseException) -> EngineDeathRecord:
 
 
 class EngineCoreProc:
-    def __init__(
-        self,
-        options: EngineOptions,
-        engine_rank: int,
-        input_address: str,
-        output_address: str,
-        stats_address: str | None = None,
-    ) -> None:
-        self.options = options
-        self.engine_rank = engine_rank
+    def __init__(self, args: EngineCoreProcArgs) -> None:
+        self.options = args.options
+        self.engine_rank = args.engine_rank
+        self.incarnation = args.incarnation
         self.engine: Any = None
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.DEALER)
-        self.input_socket.setsockopt(zmq.IDENTITY, engine_identity(engine_rank))
+        self.input_socket.setsockopt(zmq.IDENTITY, engine_identity(args.engine_rank))
         self.input_socket.setsockopt(zmq.RCVHWM, 0)
         self.input_socket.setsockopt(zmq.SNDHWM, 0)
         self.input_socket.setsockopt(zmq.LINGER, 0)
-        self.input_socket.connect(input_address)
+        self.input_socket.connect(args.input_address)
         self.output_socket = self.ctx.socket(zmq.PUSH)
         self.output_socket.setsockopt(zmq.SNDHWM, 0)
         self.output_socket.setsockopt(zmq.LINGER, OUTPUT_LINGER_MS)
-        self.output_socket.connect(output_address)
+        self.output_socket.connect(args.output_address)
         self.stats_socket: zmq.Socket | None = None
-        if stats_address is not None:
+        if args.stats_address is not None:
             self.stats_socket = self.ctx.socket(zmq.PUSH)
             self.stats_socket.setsockopt(zmq.LINGER, 0)
-            self.stats_socket.connect(stats_address)
+            self.stats_socket.connect(args.stats_address)
         self._phase_encoder = MsgpackEncoder()
 
         self.input_queue: queue.Queue = queue.Queue()
@@ -118,7 +129,8 @@ class EngineCoreProc:
 
     def send_phase(self, phase: str, ready: EngineCoreReadyResponse | None = None) -> None:
         logger.debug("engine core %d: %s", self.engine_rank, phase.replace("_", " "))
-        frames = [self._phase_encoder.encode(EngineHandshakePhase(self.engine_rank, phase))[0]]
+        message = EngineHandshakePhase(self.engine_rank, phase, self.incarnation)
+        frames = [self._phase_encoder.encode(message)[0]]
         if ready is not None:
             frames.append(self._phase_encoder.encode(ready)[0])
         self.input_socket.send_multipart(frames)
@@ -200,7 +212,7 @@ class EngineCoreProc:
         if deadline is not None:
             return max(0.0, deadline - time.monotonic())
         if self._pending_utilities:
-            return 0.05  # a deferred utility (sleep mode="wait") completes in post_step
+            return DEFERRED_UTILITY_POLL_S  # a deferred utility (sleep mode="wait") completes in post_step
         return None
 
     def _drain_input_queue(self, timeout: float | None) -> None:
@@ -346,6 +358,7 @@ class EngineCoreProc:
                     continue
                 while in_flight and in_flight[0][0].done:
                     free.append(in_flight.popleft()[1])
+                item.incarnation = self.incarnation
                 buf = free.pop() if free else bytearray()
                 frames = self._encode(encoder, item, buf)
                 # the body buffer is reused only once ZMQ reports this frame sent (frames under 64 KiB
@@ -359,9 +372,8 @@ class EngineCoreProc:
                 stats = item.scheduler_stats
                 if self.stats_socket is not None and stats is not None:
                     load = (stats.num_waiting_reqs, stats.num_running_reqs, round(stats.kv_cache_usage, 3))
-                    if load != last_load:
+                    if load != last_load and self._send_load(self.stats_socket, encoder, load):
                         last_load = load
-                        self._send_load(encoder, load)
         except Exception as e:
             self.input_queue.put_nowait((None, e))  # the busy loop dies with this cause
         finally:
@@ -369,9 +381,14 @@ class EngineCoreProc:
             if self.stats_socket is not None:
                 self.stats_socket.close(linger=0)
 
-    def _send_load(self, encoder: MsgpackEncoder, load: tuple) -> None:
-        with contextlib.suppress(zmq.Again):
-            self.stats_socket.send(encoder.encode(EngineLoad(self.engine_rank, *load))[0], zmq.NOBLOCK)
+    def _send_load(self, sock: zmq.Socket, encoder: MsgpackEncoder, load: tuple) -> bool:
+        """Never blocks; False when the message could not be queued (it is sent again with the next
+        output, so the coordinator never keeps a load the engine has left)."""
+        try:
+            sock.send(encoder.encode(EngineLoad(self.engine_rank, *load))[0], zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     def _encode(self, encoder: MsgpackEncoder, outputs: EngineCoreOutputs, buf: bytearray) -> list:
         try:
@@ -383,7 +400,9 @@ class EngineCoreProc:
                 raise
             call_id = outputs.utility_output.call_id
             failure = f"The utility's result cannot be sent over the wire: {e}"
-            failed = EngineCoreOutputs(self.engine_rank, utility_output=UtilityOutput(call_id, failure))
+            failed = EngineCoreOutputs(
+                self.engine_rank, utility_output=UtilityOutput(call_id, failure), incarnation=self.incarnation
+            )
             return encoder.encode_into(failed, bytearray())
 
     # -- exit ---------------------------------------------------------------------------------
@@ -404,12 +423,12 @@ class EngineCoreProc:
             self.output_socket.close(linger=OUTPUT_LINGER_MS)
             if self.stats_socket is not None:
                 self.stats_socket.close(linger=0)
-        if self._input_thread is not None:
+        if self._input_thread is not None and self._stop_socket is not None:
             try:
                 self._stop_socket.send(b"", zmq.NOBLOCK)
             except zmq.Again:
                 pass  # the input thread has already ended
-            self._input_thread.join(timeout=1)
+            self._input_thread.join(timeout=INPUT_THREAD_JOIN_S)
             self._stop_socket.close(linger=0)
         else:
             self.input_socket.close(linger=0)
@@ -426,137 +445,11 @@ class EngineCoreProc:
 
     def _send_death_directly(self, death: BaseException) -> None:
         try:
+            record = death_record(self.engine_rank, death)
             body = MsgpackEncoder().encode(
-                EngineCoreOutputs(self.engine_rank, death=death_record(self.engine_rank, death))
+                EngineCoreOutputs(self.engine_rank, death=record, incarnation=self.incarnation)
             )
             self.output_socket.send_multipart(body)
             self.output_socket.send(ENGINE_CORE_DEAD)
         except Exception:
             logger.exception("engine core %d: could not report its death", self.engine_rank)
-
-
-# -- process entry point and parent-death handling ------------------------------------------------------
-
-
-def _die_with_parent(frontend_pid: int) -> None:
-    """Exit when the frontend process is gone, even if it was SIGKILLed.
-
-    Our parent is the frontend (spawn, fork) or a forkserver that exits with the frontend. The parent-
-    death signal covers the common case at once; a polling thread covers a parent that died before
-    prctl took effect, platforms without prctl, and a frontend that is not our direct parent.
-    """
-    parent_pid = os.getppid()
-
-    def parent_gone() -> bool:
-        if os.getppid() != parent_pid:
-            return True  # re-parented: our parent has exited
-        try:
-            os.kill(frontend_pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-        return False
-
-    def on_parent_death_signal(signum: int, frame: Any) -> None:
-        # PDEATHSIG also fires when only the *thread* that started us exits: check the process
-        if parent_gone():
-            os._exit(1)
-
-    if sys.platform.startswith("linux"):
-        try:
-            signal.signal(signal.SIGUSR1, on_parent_death_signal)
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGUSR1, 0, 0, 0)
-        except (OSError, AttributeError):
-            logger.warning("parent-death signal unavailable; relying on the polling thread")
-
-    def watch_parent() -> None:
-        while not parent_gone():
-            time.sleep(PARENT_POLL_INTERVAL_S)
-        logger.error("engine core: the frontend process %d is gone; exiting", frontend_pid)
-        os._exit(1)
-
-    threading.Thread(target=watch_parent, name="EngineCoreParentWatch", daemon=True).start()
-
-
-def _setup_logging(engine_rank: int) -> None:
-    if logging.getLogger().handlers:
-        return
-    level = os.environ.get("NANOSERVE_LOGGING_LEVEL", "INFO").upper()
-    logging.basicConfig(
-        level=level, format=f"(EngineCore_{engine_rank} pid=%(process)d) %(levelname)s %(name)s: %(message)s"
-    )
-
-
-def run_engine_core(
-    options: EngineOptions,
-    engine_rank: int,
-    input_address: str,
-    output_address: str,
-    parent_pid: int,
-    stats_address: str | None = None,
-) -> None:
-    """Target of the engine-core child process. Exit code: 0 after a requested shutdown, 1 on failure."""
-    _die_with_parent(parent_pid)
-    try:
-        from setproctitle import setproctitle
-
-        setproctitle(f"nanoserve::EngineCore_{engine_rank}")
-    except ImportError:
-        pass
-    _setup_logging(engine_rank)
-
-    _exit(
-        serve_engine_core(
-            (options, engine_rank, input_address, output_address, stats_address),
-            (signal.SIGTERM, signal.SIGINT),
-        )
-    )
-
-
-def serve_engine_core(proc_args: tuple, stop_signals: tuple[signal.Signals, ...]) -> int:
-    """Build, serve and close one engine core in this (main) thread, for a child process or a Ray actor.
-
-    Returns 0 after a requested shutdown and 1 after a failure (its death record sent). A stop signal
-    drains the engine; during the build it abandons it (SystemExit). The handlers are installed before
-    the build, so a SIGTERM during weight loading is not lost, and the previous ones restored after.
-    """
-    proc: EngineCoreProc | None = None
-
-    def on_signal(signum: int, frame: Any) -> None:
-        if proc is None or proc.engine is None:
-            raise SystemExit(0)
-        proc.request_shutdown()
-
-    previous = {signum: signal.signal(signum, on_signal) for signum in stop_signals}
-    try:
-        proc = EngineCoreProc(*proc_args)
-        proc.build_engine()
-        proc.start_threads()
-        proc.run_busy_loop()
-    except SystemExit:
-        if proc is not None:
-            proc.close()
-        raise
-    except BaseException as e:
-        logger.exception("engine core %d failed", proc_args[1])
-        if proc is not None:
-            proc.close(death=e)
-        return 1
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    proc.close()
-    return 0
-
-
-def _exit(code: int) -> None:
-    """Exit without interpreter teardown: the sockets are closed and the output flushed, and what is
-    left (daemon I/O threads, OpenMP workers, torch's atexit hooks) can only delay or hang the exit
-    that the frontend is waiting on."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)

@@ -86,7 +86,12 @@ class Request:
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest, max_tokens: int) -> Request:
-        return cls(
+        """The engine's request for a wire request. A resumed request (replayed after an engine restart)
+        starts with its delivered tokens as output already produced, and the state that follows from
+        output tokens is brought to that point: here the seeded generator, which has drawn once per
+        sampled token (greedy rows draw nothing); the structured-output matcher is built past them when
+        the engine admits the request (`EngineCore.add_request`)."""
+        engine_request = cls(
             request.request_id,
             request.prompt_token_ids,
             request.sampling_params,
@@ -94,6 +99,13 @@ class Request:
             request.arrival_time,
             max_tokens,
         )
+        resumed = request.resumed_output_token_ids
+        if resumed:
+            engine_request.output_token_ids = list(resumed)
+            engine_request.all_token_ids.extend(resumed)
+            if engine_request.generator is not None and not request.sampling_params.is_greedy:
+                torch.rand(len(resumed), generator=engine_request.generator)
+        return engine_request
 
     @property
     def num_tokens(self) -> int:

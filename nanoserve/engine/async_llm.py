@@ -6,10 +6,13 @@ OutputProcessor in small slices (yielding to the loop between slices, so a big b
 and routes each `RequestOutput` to its request's stream. A consumer that stops early (cancelled,
 `aclose()`, a client that went away) aborts its request in the engine, freeing its KV blocks.
 
-When the engine dies the handler pushes the `EngineDeadError` into every open stream, `errored` turns
-true, and every later call raises that error. When one data-parallel rank dies while others live, only
-the requests it held get its `EngineDeadError`; `dead_ranks` names the dead ranks (/health reports them). Prompts are tokenized on one worker thread, so a long
-prompt never blocks the event loop (one thread: the Rust tokenizer is not shared between threads).
+Whether the engine lives is the client's `liveness`, read here, never copied. With `engine_restarts`
+a dead engine core comes back and its requests resume: the streams see a pause, then the rest. When
+the engine is dead for good the handler pushes the `EngineDeadError` into every open stream, `errored`
+turns true, and every later call raises that error. When one data-parallel rank dies while others
+live, only the requests it held get its `EngineDeadError`; `dead_ranks` names the dead ranks (/health
+reports them). Prompts are tokenized on one worker thread, so a long prompt never blocks the event
+loop (one thread: the Rust tokenizer is not shared between threads).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 from nanoserve.config import EngineOptions
 from nanoserve.engine.core_client.base import EngineCoreClient
+from nanoserve.engine.core_client.liveness import RankState
 from nanoserve.engine.exceptions import EngineDeadError
 from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.processor import Conversation, Processor, PromptType
@@ -39,7 +43,7 @@ from nanoserve.model_files import (
 )
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from nanoserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineDeathRecord, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +161,8 @@ class RequestStream:
 class AsyncLLM:
     """`AsyncLLM(model=None, **engine_options)`; the same option names as `LLM`."""
 
+    engine_core: EngineCoreClient
+
     def __init__(
         self, model: str | None = None, *, stat_loggers: list[StatLogger] | None = None, **options: Any
     ) -> None:
@@ -169,7 +175,6 @@ class AsyncLLM:
         return engine
 
     def _build(self, options: EngineOptions, stat_loggers: list[StatLogger]) -> None:
-        self.engine_core: EngineCoreClient | None = None
         self._output_handler: asyncio.Task | None = None
         self._is_shut_down = False
         options = dataclasses.replace(options, multiprocess_mode=True)
@@ -195,8 +200,6 @@ class AsyncLLM:
             1, thread_name_prefix="nanoserve-tokenize"
         )
         self._request_counter = itertools.count()
-        self.dead_error: EngineDeadError | None = None
-        self.dead_event = asyncio.Event()
         self.last_output_time = time.monotonic()
         """When the engine last produced an output, or when it last went from idle to busy."""
         self.last_scheduler_stats: SchedulerStats | None = None
@@ -209,13 +212,28 @@ class AsyncLLM:
     # -- state --------------------------------------------------------------------------------
 
     @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine is dead for good, or None while it lives (or comes back)."""
+        return self.engine_core.liveness.dead_error
+
+    @property
     def errored(self) -> bool:
         return self.dead_error is not None
 
     @property
+    def restarting_ranks(self) -> list[int]:
+        """Engine ranks on their way back after a death (within their restart budget)."""
+        return self.engine_core.liveness.ranks_in(RankState.RESTARTING)
+
+    @property
+    def engine_restarts(self) -> dict[int, int]:
+        """Restarts so far, by engine rank."""
+        return self.engine_core.liveness.restart_counts()
+
+    @property
     def dead_ranks(self) -> dict[int, EngineDeadError]:
         """Data parallel: ranks that died while others still serve, with why."""
-        return self.engine_core.dead_rank_errors() if self.engine_core is not None else {}
+        return self.engine_core.dead_rank_errors()
 
     @property
     def is_running(self) -> bool:
@@ -226,9 +244,16 @@ class AsyncLLM:
         """Engine requests in flight (a request with n samples counts n), running or waiting."""
         return len(self.output_processor.engine_to_request)
 
+    def _silent_since(self) -> float:
+        """The hang clock's start: the last output, becoming busy, or an engine's return from a restart."""
+        return max(self.last_output_time, self.engine_core.liveness.revived_at)
+
     def is_hung(self, timeout_s: float) -> bool:
-        """True when requests are in flight but the engine has said nothing for `timeout_s` seconds."""
-        return bool(self.streams) and time.monotonic() - self.last_output_time > timeout_s
+        """True when requests are in flight but the engine has said nothing for `timeout_s` seconds
+        (a restart in progress is not a hang)."""
+        if not self.streams or self.restarting_ranks:
+            return False
+        return time.monotonic() - self._silent_since() > timeout_s
 
     async def check_health(self, hang_timeout_s: float | None = None) -> None:
         """Raise EngineDeadError when the engine is dead (or EngineHungError when it looks hung)."""
@@ -236,9 +261,16 @@ class AsyncLLM:
             raise self.dead_error
         if hang_timeout_s is not None and self.is_hung(hang_timeout_s):
             raise EngineHungError(
-                f"The engine core has produced no output for {time.monotonic() - self.last_output_time:.1f} s "
+                f"The engine core has produced no output for {time.monotonic() - self._silent_since():.1f} s "
                 f"with {len(self.streams)} request(s) in flight."
             )
+
+    async def wait_for_death(self) -> None:
+        """Return once the output handler has ended: the engine is dead for good (see `errored`), or
+        this AsyncLLM was shut down. A restart is not an end."""
+        self.start()
+        if self._output_handler is not None:
+            await asyncio.wait({self._output_handler})
 
     def start(self) -> None:
         """Start the output handler on the running loop (done by the first request if not before)."""
@@ -355,7 +387,7 @@ class AsyncLLM:
         return engine_ids
 
     async def _abort_in_engine(self, engine_ids: list[str]) -> None:
-        if engine_ids and self.dead_error is None and self.engine_core is not None:
+        if engine_ids and self.dead_error is None:
             try:
                 await self.engine_core.abort_requests_async(engine_ids)
             except EngineDeadError:
@@ -386,7 +418,7 @@ class AsyncLLM:
                 engine_outputs = await self.engine_core.get_output_async()
                 self.last_output_time = time.monotonic()
                 if engine_outputs.death is not None:
-                    await self._fail_dead_rank(engine_outputs)
+                    await self._fail_dead_rank(engine_outputs, engine_outputs.death)
                     continue
                 self.last_scheduler_stats = engine_outputs.scheduler_stats or self.last_scheduler_stats
                 outputs = engine_outputs.outputs
@@ -403,6 +435,7 @@ class AsyncLLM:
             logger.exception("AsyncLLM output handler failed")
             error = EngineDeadError(f"The output handler failed: {type(e).__name__}: {e}")
             error.__cause__ = e
+            self.engine_core.liveness.end(error)  # nothing reads the engines' outputs any more
             self._fail_all(error)
 
     async def _process_slice(self, engine_outputs: EngineCoreOutputs, last: bool) -> None:
@@ -436,11 +469,10 @@ class AsyncLLM:
             await self.engine_core.abort_requests_async(to_abort)
         self._log_stats(engine_outputs.scheduler_stats if last else None, stats)
 
-    async def _fail_dead_rank(self, engine_outputs: EngineCoreOutputs) -> None:
+    async def _fail_dead_rank(self, engine_outputs: EngineCoreOutputs, death: EngineDeathRecord) -> None:
         """A data-parallel rank died holding these requests: each one's consumer gets the rank's
         `EngineDeadError`, as with a whole engine's death, while the other ranks serve on. Samples of the
         same requests (n > 1) on live ranks are aborted there."""
-        death = engine_outputs.death
         error = self.engine_core.dead_rank_errors().get(death.engine_rank) or EngineDeadError(
             death.message, engine_rank=death.engine_rank
         )
@@ -462,13 +494,9 @@ class AsyncLLM:
                 logger.exception("stat logger failed")
 
     def _fail_all(self, error: EngineDeadError) -> None:
-        if self.dead_error is None:
-            self.dead_error = error
-            logger.error("engine core is dead: %s", error)
         streams, self.streams = self.streams, {}
         for stream in streams.values():
             stream.put(error)
-        self.dead_event.set()
 
     def _ensure_alive(self) -> None:
         if self._is_shut_down and self.dead_error is None:
@@ -485,8 +513,7 @@ class AsyncLLM:
         self._is_shut_down = True
         if self._output_handler is not None and not self._output_handler.done():
             self._output_handler.cancel()
-        if self.engine_core is not None:
-            self.engine_core.shutdown()
+        self.engine_core.shutdown()
         if self.streams:
             streams, self.streams = self.streams, {}
             for stream in streams.values():

@@ -80,6 +80,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--runner", choices=RUNNERS, default=None)
     group.add_argument(
+        "--engine-restarts",
+        type=int,
+        default=None,
+        help="restart a dead engine core up to N times per --engine-restart-window, resuming its requests "
+        "(default 0: a death is final)",
+    )
+    group.add_argument(
+        "--engine-restart-window",
+        type=float,
+        default=None,
+        help="seconds over which --engine-restarts is counted (default 600)",
+    )
+    group.add_argument(
         "--data-parallel-size", type=int, default=None, help="number of engine-core replicas (default 1)"
     )
     group.add_argument(

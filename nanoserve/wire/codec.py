@@ -13,13 +13,14 @@ decoder instance is not thread-safe (it keeps the frames of the message in fligh
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
+
+from nanoserve import envs
 
 try:
     import torch
@@ -36,7 +37,7 @@ Frame = bytes | bytearray | memoryview
 
 
 def zero_copy_threshold() -> int:
-    return int(os.environ.get("NANOSERVE_MSGPACK_ZERO_COPY_THRESHOLD", "256"))
+    return envs.msgpack_zero_copy_threshold()
 
 
 def _tensor_dtype_name(tensor: Any) -> str:
@@ -51,7 +52,8 @@ class MsgpackEncoder:
         self._header = msgspec.msgpack.Encoder()
 
     def encode(self, obj: Any) -> list[Frame]:
-        self._aux = aux = [b""]
+        aux: list[Frame] = [b""]
+        self._aux = aux
         try:
             aux[0] = self._encoder.encode(obj)
             return aux
@@ -60,7 +62,8 @@ class MsgpackEncoder:
 
     def encode_into(self, obj: Any, buf: bytearray) -> list[Frame]:
         """Like `encode`, but write the body into `buf` (resized to fit) so it can be reused."""
-        self._aux = aux = [buf]
+        aux: list[Frame] = [buf]
+        self._aux = aux
         try:
             self._encoder.encode_into(obj, buf)
             return aux
@@ -92,6 +95,11 @@ class MsgpackEncoder:
         return msgspec.msgpack.Ext(inline_code, self._header.encode((dtype, shape, arr.tobytes())))
 
 
+def _buffer(frame: Any) -> memoryview:
+    """A zmq.Frame's buffer, or a view of bytes-like data (no copy either way)."""
+    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+
+
 class MsgpackDecoder:
     def __init__(self, type_: Any = Any) -> None:
         self._decoder = msgspec.msgpack.Decoder(type_, ext_hook=self._ext_hook, dec_hook=self._dec_hook)
@@ -101,7 +109,7 @@ class MsgpackDecoder:
     def decode(self, frames: Sequence[Any] | Frame) -> Any:
         if isinstance(frames, bytes | bytearray | memoryview):
             frames = (frames,)
-        bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+        bufs = [_buffer(f) for f in frames]
         self._frames = bufs
         try:
             return self._decoder.decode(bufs[0])

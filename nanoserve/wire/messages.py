@@ -8,6 +8,11 @@ dies, an `EngineCoreOutputs` carrying an `EngineDeathRecord` followed by the sin
 `EngineCoreReadyResponse`. The in-process client passes the same objects without encoding them.
 Data parallel: each engine pushes an `EngineLoad` to the coordinator when its counts change (PUSH ->
 PULL); the coordinator publishes a `DPLoadUpdate` to the frontends (PUB -> SUB).
+
+Restarts: a rank restarted after a death keeps its identity and sockets; its `incarnation` (how many
+times it was started before) is stamped on everything it sends, so a message still in flight from a
+dead incarnation is told apart and dropped. A request it held is sent again with the tokens already
+delivered to the frontend (`resumed_output_token_ids`), and the engine continues it from there.
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ import msgspec
 from nanoserve.sampling_params import SamplingParams
 
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+
+def engine_identity(rank: int) -> bytes:
+    """The ZMQ identity of an engine rank: the engine's DEALER sets it, the frontend's ROUTER routes by it."""
+    return rank.to_bytes(2, "little")
 
 
 class EngineCoreRequestType(bytes, enum.Enum):
@@ -45,6 +55,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_ids: list[int] = []
     """Every token that ends the sequence (Llama 3 declares several)."""
     arrival_time: float = 0.0
+    resumed_output_token_ids: list[int] | None = None
+    """A request replayed on a restarted engine: the output tokens the frontend already has. The engine
+    takes them as produced (max_tokens, min_tokens, penalties and the seeded stream count them) and
+    generates what follows."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -103,6 +117,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_output: UtilityOutput | None = None
     finished_requests: set[str] | None = None
     death: EngineDeathRecord | None = None
+    incarnation: int = 0
+    """Of the sending rank (see the module docstring)."""
 
 
 class EngineCoreUtilityRequest(msgspec.Struct, array_like=True, gc=False):
@@ -116,6 +132,7 @@ class EngineHandshakePhase(msgspec.Struct, array_like=True, gc=False):
     engine_rank: int
     phase: str
     """One of: started, loading_weights, sizing_kv_cache, ready."""
+    incarnation: int = 0
 
 
 class EngineCoreReadyResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

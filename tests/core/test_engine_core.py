@@ -3,6 +3,7 @@ under batching, chunked prefill, prefix-cache hits and preemption; bad requests 
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from engine_steps import MAX_TOKENS, hf_greedy, make_prompts, request, run_to_completion, tiny_engine
 
@@ -152,3 +153,56 @@ def test_sleep_wait_completes_once_running_requests_finish(tiny_gqa_dir):
     assert len(first[0].new_token_ids + results["running"][0]) == MAX_TOKENS and "held" not in results
     engine.call_utility("wake_up", ())
     assert len(run_to_completion(engine)["held"][0]) == MAX_TOKENS
+
+
+def first_stop_candidate(model_dir, prompt: list[int]) -> int:
+    """A token the greedy run of `prompt` produces early: as a stop token it would end it at once."""
+    engine = tiny_engine(model_dir)
+    engine.add_request(request("probe", prompt, max_tokens=4))
+    return run_to_completion(engine)["probe"][0][1]
+
+
+RESUMABLE = {
+    "greedy": dict(),
+    "seeded": dict(temperature=0.9, top_k=5, seed=11),
+    "penalties": dict(temperature=0.8, top_k=5, seed=5, repetition_penalty=1.3, frequency_penalty=0.5),
+    "min_tokens": dict(min_tokens=8),
+}
+"""Seeded rows draw among a few candidates: a random tiny model's distribution is nearly flat (top
+probability 1e-4), and a resumed request's prefill computes its logits along another path than the
+decode steps did, so over the whole vocabulary float noise alone could move a draw."""
+
+
+@pytest.mark.parametrize("kind", RESUMABLE)
+def test_a_resumed_request_continues_exactly_where_it_stopped(tiny_gqa_dir, kind):
+    """What a restarted engine is sent: the prompt and the tokens already delivered, as output produced
+    so far. It must generate what the uninterrupted request would have: max_tokens, min_tokens,
+    penalties and the seeded stream all count the resumed tokens."""
+    prompt = make_prompts(1, seed=3)[0]
+    params = dict(RESUMABLE[kind], max_tokens=16)
+    if kind == "min_tokens":  # a stop token the request would meet at once, held back by min_tokens
+        params.update(ignore_eos=False, stop_token_ids=[first_stop_candidate(tiny_gqa_dir, prompt)])
+    engine = tiny_engine(tiny_gqa_dir)
+    engine.add_request(request("whole", prompt, **params))
+    whole = run_to_completion(engine)["whole"]
+    tokens, reason = whole[0], whole[1]
+    assert len(tokens) >= 8
+    fresh = tiny_engine(tiny_gqa_dir)  # a new engine, as after a restart
+    for k in (1, 5, len(tokens) - 1):
+        resumed = msgspec.structs.replace(
+            request(f"r{k}", prompt, **params), resumed_output_token_ids=tokens[:k]
+        )
+        fresh.add_request(resumed)
+        rest = run_to_completion(fresh)[f"r{k}"]
+        assert tokens[:k] + rest[0] == tokens and rest[1] == reason, k
+
+
+def test_a_resumed_request_must_leave_a_token_to_generate(tiny_gqa_dir):
+    engine = tiny_engine(tiny_gqa_dir, max_model_len=64)
+    done = msgspec.structs.replace(request("done", [5, 6, 7], max_tokens=4), resumed_output_token_ids=[9] * 4)
+    bad = msgspec.structs.replace(request("bad", [5, 6, 7]), resumed_output_token_ids=[10**6])
+    engine.add_request(done)
+    engine.add_request(bad)
+    results = run_to_completion(engine)
+    assert results["done"][1] == FinishReason.ERROR and "at least one token left" in results["done"][2]
+    assert results["bad"][1] == FinishReason.ERROR and "Resumed output token ids" in results["bad"][2]

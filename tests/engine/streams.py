@@ -1,12 +1,28 @@
-"""Async helpers shared by the AsyncLLM tests."""
+"""Helpers shared by the client and AsyncLLM tests."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Generator
+from typing import Any
 
 from nanoserve.engine.async_llm import AsyncLLM
+from nanoserve.engine.core_client.dp import DPLBAsyncMPClient
+from nanoserve.engine.core_client.mp import MPClient
 from nanoserve.sampling_params import SamplingParams
+
+
+@contextlib.contextmanager
+def utilities_to_rank(client: MPClient, rank: int) -> Generator[None]:
+    """Send the client's utility calls to one rank only (e.g. to put just that rank to sleep)."""
+    router: Any = client.router
+    router.utility_targets = lambda method, liveness: [rank]
+    try:
+        yield
+    finally:
+        del router.utility_targets
 
 
 async def count_tokens(engine: AsyncLLM, request_id: str, max_tokens: int) -> int:
@@ -24,6 +40,7 @@ async def spread_endless_requests(
     """Start `count` requests that never finish on their own; once the balancer has placed them all,
     return their tasks and the ids placed on rank 1 (some, not all)."""
     client = engine.engine_core
+    assert isinstance(client, DPLBAsyncMPClient)
     tasks = {f"long-{i}": asyncio.create_task(count_tokens(engine, f"long-{i}", 10**6)) for i in range(count)}
     deadline = time.monotonic() + 20
     while sum(client.balancer.owner(rid) is not None for rid in tasks) < count:

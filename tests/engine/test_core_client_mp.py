@@ -201,7 +201,7 @@ def test_sync_utilities(sync_client):
         sync_client.call_utility("echo")  # bad arguments: a failure message, the engine lives on
     assert sync_client.reset_prefix_cache() in (True, False)
     assert sync_client.call_utility("echo", 5) == 5
-    assert not sync_client.utility_results
+    assert not sync_client.utilities
 
 
 @pytest.mark.timeout(120)
@@ -217,7 +217,7 @@ def test_async_utilities_and_cancelled_future():
             await client.get_output_async(timeout=10)
             task = asyncio.create_task(client.sleep_async(1, "wait"))
             await asyncio.sleep(0)  # the call is sent and its future registered
-            assert client.utility_results
+            assert client.utilities
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -241,7 +241,7 @@ def test_utility_and_get_output_timeouts(sync_client):
     sync_client.add_request(requests(1, max_tokens=8000)[0])
     with pytest.raises(TimeoutError, match="sleep"):
         sync_client.call_utility("sleep", 1, "wait", timeout=0.01)
-    assert not sync_client.utility_results
+    assert not sync_client.utilities
     sync_client.abort_requests(["req-0"])
     assert sync_client.call_utility("echo", 1, timeout=10) == 1
 
@@ -424,20 +424,21 @@ def test_concurrent_getters_all_wake_on_shutdown():
 def test_answer_to_cancelled_future_is_tolerated():
     import concurrent.futures
 
-    from nanoserve.engine.core_client.mp import process_utility_output
+    from nanoserve.engine.core_client.utilities import UtilityCalls
     from nanoserve.wire.messages import UtilityOutput
 
+    calls = UtilityCalls()
     sync_future = concurrent.futures.Future()
     sync_future.cancel()
-    results = {1: sync_future}
-    process_utility_output(UtilityOutput(1, result=5), results)
-    process_utility_output(UtilityOutput(2, failure_message="x"), results)  # unknown call id
-    assert not results
+    call_id = calls.register(0, 0, sync_future)
+    calls.resolve(UtilityOutput(call_id, result=5))
+    calls.resolve(UtilityOutput(call_id + 1, failure_message="x"))  # unknown call id
+    assert not calls
 
     async def main():
         future = asyncio.get_running_loop().create_future()
         future.cancel()
-        process_utility_output(UtilityOutput(3, failure_message="boom"), {3: future})
+        calls.resolve(UtilityOutput(calls.register(0, 0, future), failure_message="boom"))
 
     asyncio.run(main())
 
@@ -461,6 +462,6 @@ def test_large_tensor_argument_is_tracked_until_sent(sync_client):
     big = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB: an out-of-band, zero-copy frame
     result = sync_client.call_utility("echo", big)
     assert torch.equal(result, big)
-    for tracker, _ in sync_client.pending_messages:
+    for tracker, _ in sync_client.input.pending_messages:
         tracker.wait(5)
-    assert all(tracker.done for tracker, _ in sync_client.pending_messages)
+    assert all(tracker.done for tracker, _ in sync_client.input.pending_messages)

@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from streams import count_tokens, spread_endless_requests
+from streams import count_tokens, spread_endless_requests, utilities_to_rank
 
 from nanoserve.config import EngineOptions
 from nanoserve.engine.core_client.base import EngineCoreClient
@@ -48,7 +48,7 @@ def many_requests(n: int, max_tokens: int = 8, prefix: str = "req") -> list[Engi
 
 
 async def collect(
-    client: EngineCoreClient, ids: set[str], timeout: float = 30
+    client: EngineCoreClient, ids: set[str], timeout: float = 60
 ) -> tuple[dict[str, list[int]], dict[str, FinishReason], dict[str, str | None], dict[str, int]]:
     """Read outputs until every id in `ids` finished: tokens, finish reasons, errors, serving rank."""
     tokens: dict[str, list[int]] = {i: [] for i in ids}
@@ -177,18 +177,14 @@ def test_coordinator_publishes_on_change_at_most_every_100ms_and_heartbeats():
 
 
 async def sleep_one_rank(client: DPLBAsyncMPClient, rank: int) -> None:
-    targets = client._utility_targets
-    client._utility_targets = lambda method: [rank]
-    try:
+    with utilities_to_rank(client, rank):
         await client.sleep_async(1)
-    finally:
-        client._utility_targets = targets
 
 
 # -- clients against engine processes -------------------------------------------------------------
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(180)
 def test_factory_and_external_lb_rank():
     async def main() -> None:
         client = EngineCoreClient.make_async_mp_client(
@@ -200,7 +196,7 @@ def test_factory_and_external_lb_rank():
             assert type(client) is DPAsyncMPClient and client.engine_ranks == [1]
             assert len(client.engine_pids()) == 1
             await client.add_request_async(make_request("a", [1, 2, 3]))
-            outputs = await client.get_output_async(timeout=10)
+            outputs = await client.get_output_async(timeout=60)
             assert outputs.engine_index == 1
         finally:
             client.shutdown()
@@ -208,7 +204,7 @@ def test_factory_and_external_lb_rank():
     asyncio.run(main())
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(180)
 def test_both_engines_get_work_outputs_match_and_aborts_route():
     requests = many_requests(16, max_tokens=12)
     expected = inproc_tokens(requests)
@@ -235,7 +231,7 @@ def test_both_engines_get_work_outputs_match_and_aborts_route():
             assert set(owners.values()) == {0, 1}
             # sent right behind the adds: an abort sent to the wrong rank would leave its request running
             await client.abort_requests_async(list(owners))
-            _, reasons, _, _ = await collect(client, set(owners), timeout=10)
+            _, reasons, _, _ = await collect(client, set(owners))
             assert set(reasons.values()) == {FinishReason.ABORT}
         finally:
             client.shutdown()
@@ -243,7 +239,7 @@ def test_both_engines_get_work_outputs_match_and_aborts_route():
     asyncio.run(main())
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(180)
 def test_utilities_fan_out_and_must_agree():
     async def main() -> None:
         client = EngineCoreClient.make_async_mp_client(DP2)
@@ -267,7 +263,7 @@ def test_utilities_fan_out_and_must_agree():
     asyncio.run(main())
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(180)
 def test_sigkill_one_rank_under_load():
     async def main() -> None:
         client = EngineCoreClient.make_async_mp_client(DP2)
@@ -284,11 +280,11 @@ def test_sigkill_one_rank_under_load():
             pids = client.engine_pids()
             os.kill(pids[1], signal.SIGKILL)
             started = time.monotonic()
-            _, reasons, errors, _ = await collect(client, on_rank_1 | survivors, timeout=20)
+            _, reasons, errors, _ = await collect(client, on_rank_1 | survivors)
             assert all(reasons[i] == FinishReason.ERROR for i in on_rank_1), reasons
             assert all("Engine core 1" in errors[i] and "SIGKILL" in errors[i] for i in on_rank_1)
             assert all(reasons[i] == FinishReason.LENGTH for i in survivors)
-            assert time.monotonic() - started < 10
+            assert time.monotonic() - started < 30  # under a second when idle; margin for a loaded machine
             assert client.dead_ranks == {1} and client.is_degraded and not client.engine_dead
 
             fresh = many_requests(4, prefix="fresh")
@@ -304,7 +300,7 @@ def test_sigkill_one_rank_under_load():
             os.kill(pids[0], signal.SIGKILL)  # the last rank: now the client is dead
             with pytest.raises(EngineDeadError):
                 for _ in range(100):
-                    await client.get_output_async(timeout=10)
+                    await client.get_output_async(timeout=60)
             assert client.engine_dead
             with pytest.raises(EngineDeadError):
                 await client.add_request_async(make_request("late", [1]))
@@ -314,7 +310,7 @@ def test_sigkill_one_rank_under_load():
     asyncio.run(main())
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(180)
 def test_shared_prefix_workload_lands_on_the_prefix_holder():
     shared = list(range(1000, 1128))  # eight full blocks
 
@@ -336,22 +332,20 @@ def test_shared_prefix_workload_lands_on_the_prefix_holder():
     asyncio.run(main())
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(180)
 def test_sync_client_sigkill_and_llm_offline_dp2_matches_dp1(tiny_gqa_dir):
     from nanoserve.entrypoints.llm import LLM
 
     client = EngineCoreClient.make_client(True, False, DP2)
     try:
         assert type(client) is DPLBSyncMPClient
-        targets = client._utility_targets
-        client._utility_targets = lambda method: [0]
-        client.sleep(1)  # rank 0 asleep holds "k" until it is killed
-        client._utility_targets = targets
+        with utilities_to_rank(client, 0):
+            client.sleep(1)  # rank 0 asleep holds "k" until it is killed
         client.add_request(make_request("k", [1, 2], max_tokens=10**6))
         assert client.balancer.owner("k") == 0
         os.kill(client.engine_pids()[0], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while (out := client.get_output(timeout=10)).engine_index != 0 or not out.outputs[-1].finish_reason:
+        deadline = time.monotonic() + 60
+        while (out := client.get_output(timeout=60)).engine_index != 0 or not out.outputs[-1].finish_reason:
             assert time.monotonic() < deadline
         assert (
             out.outputs[-1].finish_reason == FinishReason.ERROR and "Engine core 0" in out.outputs[-1].error
@@ -382,7 +376,7 @@ def test_sync_client_sigkill_and_llm_offline_dp2_matches_dp1(tiny_gqa_dir):
     assert texts[1] == texts[2]
 
 
-@pytest.mark.timeout(45)
+@pytest.mark.timeout(180)
 def test_coordinator_streams_engine_loads_to_the_balancer():
     # the sync client: its reader is a thread, so this test's polling is not starved by a burst of
     # null-runner outputs (the asyncio reader drains a burst without yielding to the loop)
@@ -394,8 +388,9 @@ def test_coordinator_streams_engine_loads_to_the_balancer():
         long = [make_request(f"long-{i}", [1, 2, 3, i], max_tokens=10**6) for i in range(16)]
         for r in long:
             client.add_request(r)
-        # no output is read here: whatever the balancer knows of the engines came from the coordinator
-        deadline = time.monotonic() + 20
+        # no output is read here: whatever the balancer knows of the engines came from the coordinator.
+        # Each wait is for a condition; the deadline (seconds when idle) leaves room for a loaded machine.
+        deadline = time.monotonic() + 60
         loads, seen_busy = client.balancer.loads, set()
         while seen_busy != {0, 1}:
             assert time.monotonic() < deadline, (loads, client.balancer.num_updates)
@@ -406,14 +401,16 @@ def test_coordinator_streams_engine_loads_to_the_balancer():
             assert time.monotonic() < deadline, loads
             time.sleep(0.01)
         heartbeats = client.balancer.num_heartbeats
-        time.sleep(HEARTBEAT_INTERVAL_S + 0.3)
-        assert client.balancer.num_heartbeats > heartbeats
+        deadline = time.monotonic() + 20 * HEARTBEAT_INTERVAL_S
+        while client.balancer.num_heartbeats == heartbeats:  # nothing changes now: heartbeats only
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
     finally:
         client.shutdown()
     assert not client.resources.coordinator.is_alive()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_async_llm_dead_rank_raises_for_its_requests_and_health_says_degraded(tiny_gqa_dir):
     import httpx
 
@@ -450,7 +447,7 @@ def test_async_llm_dead_rank_raises_for_its_requests_and_health_says_degraded(ti
 
             await sleep_one_rank(client, 0)
             held = asyncio.create_task(count_tokens(engine, "held", 8))
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 60
             while client.balancer.owner("held") is None:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)

@@ -59,6 +59,11 @@ def tiny_options(model_dir: Path) -> EngineOptions:
     return EngineOptions(model=str(model_dir), dtype="float32", num_kv_blocks=64, num_threads=1)
 
 
+DEATH_NOTICE_S = 10.0
+"""Within how long a death must reach every waiter: well under a second on an idle machine, the margin
+is for a loaded one (the suite runs on 2 shared cores)."""
+
+
 def gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -102,9 +107,9 @@ def test_sigkill_sync_client_mid_generation(tiny_gqa_dir):
         getter_thread, getter_result = in_thread(lambda: [client.get_output() for _ in range(100_000)])
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        getter_thread.join(1.0)
-        util_thread.join(1.0)
-        assert time.monotonic() - killed_at < 1.0
+        getter_thread.join(DEATH_NOTICE_S)
+        util_thread.join(DEATH_NOTICE_S)
+        assert time.monotonic() - killed_at < DEATH_NOTICE_S
         assert isinstance(getter_result[0], EngineDeadError), getter_result
         assert isinstance(util_result[0], EngineDeadError), util_result
         err = getter_result[0]
@@ -119,8 +124,8 @@ def test_sigkill_sync_client_mid_generation(tiny_gqa_dir):
         with pytest.raises(EngineDeadError):
             client.call_utility("echo", 1)
         client.abort_requests(["long"])  # aborts after death are dropped quietly
-        assert time.monotonic() - start < 0.5
-        assert wait_gone(pid, 2)
+        assert time.monotonic() - start < DEATH_NOTICE_S / 2  # at once: nothing waits on the dead engine
+        assert wait_gone(pid, DEATH_NOTICE_S)
     finally:
         client.shutdown()
 
@@ -143,8 +148,8 @@ def test_sigkill_async_client_mid_generation(tiny_gqa_dir):
             await asyncio.sleep(0.2)
             killed_at = time.monotonic()
             os.kill(pid, signal.SIGKILL)
-            done, _ = await asyncio.wait({util, getter}, timeout=1.0)
-            assert time.monotonic() - killed_at < 1.0
+            done, _ = await asyncio.wait({util, getter}, timeout=DEATH_NOTICE_S)
+            assert time.monotonic() - killed_at < DEATH_NOTICE_S
             assert done == {util, getter}
             for task in (util, getter):
                 assert isinstance(task.exception(), EngineDeadError)
@@ -155,7 +160,7 @@ def test_sigkill_async_client_mid_generation(tiny_gqa_dir):
                 await client.get_output_async()
             with pytest.raises(EngineDeadError):
                 await client.call_utility_async("echo", 1)
-            assert wait_gone(pid, 2)
+            assert wait_gone(pid, DEATH_NOTICE_S)
         finally:
             client.shutdown()
 
@@ -185,8 +190,8 @@ def test_engine_raising_in_step_sync(faulty_step):
         assert "_faulty_step" in err.traceback_tail
         assert "injected step fault" in str(err) and "\n" not in str(err)
         assert any("injected step fault" in note for note in err.__notes__)
-        assert wait_gone(pid, 5)
-        deadline = time.monotonic() + 2
+        assert wait_gone(pid, DEATH_NOTICE_S)
+        deadline = time.monotonic() + DEATH_NOTICE_S
         while err.exit_code is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert err.exit_code == 1  # the monitor adds the exit code once the process is reaped
@@ -220,7 +225,7 @@ def test_client_dropped_without_shutdown_reclaims_engine(client_cls):
     pid = client.engine_pids()[0]
     del client
     gc.collect()
-    assert wait_gone(pid, 5)
+    assert wait_gone(pid, DEATH_NOTICE_S)
 
 
 FRONTEND_SCRIPT = textwrap.dedent(
@@ -248,7 +253,7 @@ def test_engine_dies_with_sigkilled_frontend(tmp_path):
         assert not gone(engine_pid)
         frontend.kill()
         frontend.wait(5)
-        assert wait_gone(engine_pid, 2), "the engine outlived its frontend"
+        assert wait_gone(engine_pid, DEATH_NOTICE_S), "the engine outlived its frontend"
     finally:
         if frontend.poll() is None:
             frontend.kill()
@@ -269,36 +274,37 @@ def hanging_init(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOSERVE_TEST_HANG_INIT", "1")
 
 
-@pytest.mark.timeout(120)
-def test_ready_timeout_during_hung_load_stops_the_child(hanging_init, monkeypatch):
-    monkeypatch.setenv("NANOSERVE_ENGINE_READY_TIMEOUT_S", "4")
-    start = time.monotonic()
+@pytest.mark.timeout(180)
+def test_ready_timeout_during_hung_load_stops_the_child(hanging_init, monkeypatch, caplog):
+    # long enough for a spawn to reach its build (and hang there) even on a loaded machine
+    monkeypatch.setenv("NANOSERVE_ENGINE_READY_TIMEOUT_S", "30")
     with pytest.raises(TimeoutError, match="NANOSERVE_ENGINE_READY_TIMEOUT_S") as info:
         SyncMPClient(NULL)
     assert "engine 0: started" in str(info.value)  # the last phase it reached
-    # the child takes SIGTERM during its (hung) build and exits at once, without waiting for SIGKILL
-    assert time.monotonic() - start < 4 + 3
+    # the child takes SIGTERM during its (hung) build and exits at once: no SIGKILL was needed
+    assert not [r for r in caplog.records if "did not stop" in r.getMessage()]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_engine_killed_during_startup_raises_at_once(hanging_init):
     # construction hangs; kill the child while the client waits for it
+    killed_at: list[float] = []
 
     def killer():
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             for child in psutil.Process().children():
                 if "EngineCore_0" in " ".join(child.cmdline()):
                     time.sleep(1.0)
+                    killed_at.append(time.monotonic())
                     child.kill()
                     return
             time.sleep(0.05)
 
     threading.Thread(target=killer, daemon=True).start()
-    start = time.monotonic()
     with pytest.raises(EngineDeadError) as info:
         SyncMPClient(NULL)
-    assert time.monotonic() - start < 30
+    assert killed_at and time.monotonic() - killed_at[0] < DEATH_NOTICE_S
     assert info.value.signal == "SIGKILL"
     assert "start-up" in str(info.value)
 

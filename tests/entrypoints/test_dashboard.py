@@ -32,6 +32,7 @@ class FakeEngine:
     options: EngineOptions
     dead_ranks: dict[int, EngineDeadError] = field(default_factory=dict)
     dead_error: EngineDeadError | None = None
+    restarting_ranks: list[int] = field(default_factory=list)
     max_model_len: int = 512
 
     @property
@@ -113,6 +114,16 @@ def test_one_row_per_rank_and_dead_ranks_leave_the_totals():
     dead = snap["ranks"][1]
     assert dead["state"] == "dead" and "SIGKILL" in dead["error"] and dead["num_running"] is None
     assert (snap["num_running"], snap["kv_cache_usage"]) == (2, 0.25 / 2)
+
+    engine.restarting_ranks = [2]  # coming back after a death: out of the totals meanwhile
+    snap = snapshot(logger, engine)
+    assert snap["status"] == "restarting" and [r["state"] for r in snap["ranks"]] == [
+        "alive",
+        "dead",
+        "restarting",
+    ]
+    assert snap["num_running"] == 2
+    engine.restarting_ranks = []
 
     engine.dead_error = EngineDeadError("Engine core 0 is dead")
     snap = snapshot(logger, engine)

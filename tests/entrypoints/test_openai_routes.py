@@ -105,7 +105,8 @@ def test_tokenize_errors(http, path, body, status, param):
 
 @pytest.mark.timeout(60)
 def test_health_ping_version_bodies(server):
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "dead_ranks": [], "errors": {}}
+    ok = {"status": "ok", "restarting_ranks": [], "dead_ranks": [], "errors": {}}
+    assert httpx.get(f"{server.url}/health").json() == ok
     for method in ("GET", "POST"):
         r = httpx.request(method, f"{server.url}/ping")
         assert r.status_code == 200 and r.json()["status"] == "ok"

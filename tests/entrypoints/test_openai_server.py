@@ -18,6 +18,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 from servers import API_KEY, Server, auth, metric, wait_for
 
@@ -474,7 +475,7 @@ def test_engine_hang_then_sigkill_mid_stream_health_503_and_stream_error(own_ser
     elapsed = time.monotonic() - killed_at
     response.close()
     http.close()
-    assert elapsed < 2.0, elapsed
+    assert elapsed < 10, elapsed  # about 0.1 s when idle; the margin is for a loaded machine
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2][len("data: ") :])["error"]
     assert error["code"] == 503 and "killed by SIGKILL" in error["message"]
@@ -497,6 +498,116 @@ def test_engine_death_exits_server_nonzero(own_server, model_name):
     http.close()
     assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
     assert srv.proc.wait(30) == 1
+
+
+def restart_stream_body(model_name: str, i: int) -> dict:
+    """Greedy and seeded streams alternately; seeded ones draw among a few candidates (the tiny model's
+    distribution is nearly flat, see tests/engine/test_engine_restart.py)."""
+    body = {
+        "model": model_name,
+        "prompt": f"Story number {i}:",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    body.update(dict(temperature=0.9, top_k=5, seed=40 + i) if i % 2 else dict(temperature=0))
+    return body
+
+
+async def stream_completion(
+    http: httpx.AsyncClient, url: str, body: dict, progress: dict, key: int, started: set | None = None
+) -> dict:
+    """The streamed text, usage and error event (if any) of one completion; `started` gets `key` once
+    the server has sent the request to the engine (its response has begun)."""
+    result: dict = {"text": "", "usage": None, "error": None}
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        if started is not None:
+            started.add(key)
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            if "error" in event:
+                result["error"] = event["error"]
+                continue
+            result["usage"] = event.get("usage") or result["usage"]
+            for choice in event["choices"]:
+                result["text"] += choice["text"]
+                progress[key] = progress.get(key, 0) + 1
+    return result
+
+
+async def start_streams(http: httpx.AsyncClient, url: str, model_name: str, n: int) -> list[asyncio.Task]:
+    """n streams that start generating together (the engine sleeps, holding what it is sent, until all
+    are in), returned once each has received an event."""
+    assert (await http.post(f"{url}/sleep")).status_code == 200
+    progress: dict[int, int] = {}
+    started: set[int] = set()
+    tasks = [
+        asyncio.create_task(
+            stream_completion(http, url, restart_stream_body(model_name, i), progress, i, started)
+        )
+        for i in range(n)
+    ]
+    deadline = time.monotonic() + 60
+    while len(started) < n:
+        assert time.monotonic() < deadline and not [t.result() for t in tasks if t.done()]
+        await asyncio.sleep(0.005)
+    assert (await http.post(f"{url}/wake_up")).status_code == 200
+    while len(progress) < n:
+        assert time.monotonic() < deadline and not [t.result() for t in tasks if t.done()]
+        await asyncio.sleep(0.005)
+    return tasks
+
+
+@pytest.mark.timeout(300)
+def test_engine_restart_resumes_8_streams_then_a_death_past_the_budget_is_final(own_server, model_name):
+    srv = own_server("--engine-restarts", "1", "--enable-sleep-endpoints")
+
+    async def main() -> tuple[int, int]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            calm = await asyncio.gather(
+                *(
+                    stream_completion(http, srv.url, restart_stream_body(model_name, i), {}, i)
+                    for i in range(8)
+                )
+            )
+            assert all(r["error"] is None and r["usage"]["completion_tokens"] == 400 for r in calm)
+            pid = srv.engine_pid()
+            tasks = await start_streams(http, srv.url, model_name, 8)
+            os.kill(pid, signal.SIGKILL)
+            health = []
+            while not all(t.done() for t in tasks):  # while it comes back, /health says so
+                r = await http.get(f"{srv.url}/health")
+                health.append((r.status_code, r.json()))
+                await asyncio.sleep(0.02)
+            resumed = [t.result() for t in tasks]
+            restarting = [body for code, body in health if code == 200 and body["status"] == "restarting"]
+            assert restarting and restarting[0]["restarting_ranks"] == [0]
+            assert [r["text"] for r in resumed] == [r["text"] for r in calm]
+            assert [r["usage"] for r in resumed] == [r["usage"] for r in calm]
+            r = await http.get(f"{srv.url}/health")
+            assert r.status_code == 200 and r.json()["status"] == "ok"
+            new_pid = srv.engine_pid()
+            assert new_pid != pid
+            assert metric(srv.url, "nanoserve:engine_restarts_total", rank="0") == 1
+
+            tasks = await start_streams(http, srv.url, model_name, 4)
+            killed_at = time.monotonic()
+            os.kill(new_pid, signal.SIGKILL)  # the budget is spent: this death is final
+            ended = await asyncio.gather(*tasks)
+            # about 2 s on an idle machine; the bound leaves room for a loaded one
+            assert time.monotonic() - killed_at < 10
+            for r in ended:
+                assert r["error"]["code"] == 503 and "killed by SIGKILL" in r["error"]["message"]
+                assert "died 2 times" in r["error"]["message"]
+            return pid, new_pid
+
+    pids = asyncio.run(main())
+    assert srv.proc.wait(30) == 1
+    assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
 
 
 @pytest.mark.timeout(180)

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -121,6 +122,23 @@ def goto(page, url: str) -> None:
     expect(page.locator("body")).to_have_attribute("data-ready", "true")
 
 
+def wait_for_positive(read, timeout_s: float = 60.0) -> None:
+    """Poll until `read()` (text, or a regex match whose group 1 is the number) shows a number above 0.
+    Read through locators, not page.wait_for_function: the page's Content-Security-Policy forbids the
+    eval that a string predicate needs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        text = value.group(1) if isinstance(value, re.Match) else value
+        try:
+            if float(str(text).split()[0]) > 0:
+                return
+        except (ValueError, IndexError):
+            pass
+        assert time.monotonic() < deadline, f"still not positive after {timeout_s} s: {text!r}"
+        time.sleep(0.2)
+
+
 def set_settings(page, **values: str) -> None:
     for field, value in values.items():
         page.fill(f"#{field.replace('_', '-')}", value)
@@ -219,11 +237,10 @@ def test_stop_aborts_the_request_and_the_dashboard_sees_it(web_server, open_page
     expect(page.locator("#m-running")).to_have_text("1")
     expect(page.locator("#m-status")).to_have_text("serving")
     # tokens per second in the last whole second (the chart's last point), and over the last 10 s
-    page.wait_for_function(
-        "parseFloat(/now ([\\d.]+)/.exec(document.getElementById('chart-generation').getAttribute('aria-label'))[1]) > 0"
-    )
-    page.wait_for_function("parseFloat(document.getElementById('m-gen-rate').textContent) > 0")
-    page.wait_for_function("parseFloat(document.getElementById('m-prompt-rate').textContent) > 0")
+    chart_label = page.locator("#chart-generation")
+    wait_for_positive(lambda: re.search(r"now ([\d.]+)", chart_label.get_attribute("aria-label") or ""))
+    wait_for_positive(lambda: page.locator("#m-gen-rate").text_content())
+    wait_for_positive(lambda: page.locator("#m-prompt-rate").text_content())
     expect(page.locator("#ranks-body tr")).to_have_count(1)
     expect(page.locator("#ranks-body tr td").nth(1)).to_have_text("alive")
     page.screenshot(path=tmp_path / "dashboard.png", full_page=True)

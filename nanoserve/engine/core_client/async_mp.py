@@ -1,160 +1,154 @@
 """AsyncMPClient: the multiprocess client for asyncio frontends (AsyncLLM, the HTTP server).
 
-Same protocol as `SyncMPClient`; an asyncio task on the caller's loop owns the output PULL socket
-(an asyncio socket), checks for the death frame, decodes, resolves utility futures (asyncio futures)
-and feeds an `asyncio.Queue` that `get_output_async()` awaits. The task starts with the client when a
-loop is running, else on the first async call; shutdown cancels it. Engine death from any thread
-(monitor, reader, shutdown) is delivered on the loop: pending futures fail, waiting getters wake.
-Sends go through the plain ROUTER socket: with no high-water mark they never block the loop.
+Its transport (`AsyncOutputReader`): an asyncio task on the caller's loop owns the output PULL socket
+(an asyncio socket), hands each message to the shared dispatch, and feeds an `asyncio.Queue` that
+`get_output_async()` awaits. The task starts with the client when a loop is running, else on the first
+async call, and moves to a new loop once the old one has stopped (successive `asyncio.run` calls).
+Whatever another thread delivers (a death from a rank's watcher, failing utility futures) is scheduled
+onto that loop, after what the task has queued already. Sends go through the plain ROUTER socket: with
+no high-water mark they never block the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from nanoserve.config import EngineOptions
-from nanoserve.engine.core_client.mp import BackgroundResources, MPClient, _in_loop, process_utility_output
-from nanoserve.engine.exceptions import EngineDeadError
-from nanoserve.wire.codec import MsgpackDecoder
-from nanoserve.wire.messages import (
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    EngineCoreRequestType,
-    EngineCoreUtilityRequest,
-)
+from nanoserve.engine.core_client.launch import make_socket
+from nanoserve.engine.core_client.mp import MPClient
+from nanoserve.engine.core_client.router import EngineRouter, RankDeath, SingleRankRouter
+from nanoserve.wire.messages import EngineCoreOutputs, EngineCoreRequest
+
+LOOP_STOP_WAIT_S = 1.0
+"""How long shutdown waits for the reader's loop to cancel the task and close its socket; past that
+the loop is busy or stopping, and the socket is closed from here."""
 
 
-class AsyncMPClient(MPClient):
-    def __init__(self, options: EngineOptions) -> None:
-        self.outputs_queue: asyncio.Queue[EngineCoreOutputs | BaseException] = asyncio.Queue()
-        super().__init__(options)
+def in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
-    def _output_context(self, ctx: zmq.Context) -> zmq.Context:
-        return zmq.asyncio.Context.shadow(ctx.underlying)
 
-    def _own_output_socket(self, sock: zmq.Socket) -> None:
-        self.resources.async_output_socket = sock
+class AsyncOutputReader:
+    thread = None
 
-    def _start_output_reader(self) -> None:
-        resources = self.resources
-        utility_results = self.utility_results
-        queue_box = self._queue_box = [self.outputs_queue]  # the queue is replaced on a new loop
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[EngineCoreOutputs | RankDeath | BaseException] = asyncio.Queue()
+        self.socket: zmq.asyncio.Socket | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.task: asyncio.Task | None = None
+        self._dispatch: Callable[[list], None] | None = None
+        self._on_failure: Callable[[Exception], None] | None = None
 
-        def fail_all(error: EngineDeadError) -> None:
-            for call_id in list(utility_results):
-                future = utility_results.pop(call_id, None)
-                if future is not None and not future.done():
-                    future.set_exception(error)
-            queue_box[0].put_nowait(error)
+    def open(self, ctx: zmq.Context, transport: str, host: str) -> tuple[str, str | None]:
+        self.socket, endpoint, path = make_socket(
+            zmq.asyncio.Context.shadow(ctx.underlying), zmq.PULL, transport, host
+        )
+        return endpoint, path
 
-        def on_dead(error: EngineDeadError) -> None:
-            loop = resources.loop
-            if loop is None or _in_loop(loop) or loop.is_closed():
-                fail_all(error)
-            else:
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(fail_all, error)
+    def sync_view(self) -> zmq.Socket:
+        assert self.socket is not None
+        return zmq.Socket.shadow(self.socket.underlying)
 
-        resources.on_dead = on_dead
+    def start(self, dispatch: Callable[[list], None], on_failure: Callable[[Exception], None]) -> None:
+        self._dispatch, self._on_failure = dispatch, on_failure
         with contextlib.suppress(RuntimeError):  # no running loop: started by the first async call
             asyncio.get_running_loop()
-            self._ensure_output_task()
+            self.ensure_task()
 
-    def _ensure_output_task(self) -> None:
-        resources = self.resources
-        task = resources.output_task
-        if task is not None and not task.done() and resources.loop is asyncio.get_running_loop():
-            return
-        if resources.engine_dead or resources.async_output_socket is None:
-            return
+    def ensure_task(self) -> None:
+        """Read on the running loop (call from it before awaiting outputs or answers)."""
         loop = asyncio.get_running_loop()
-        if resources.loop is not None and resources.loop is not loop:
-            self._move_to_loop(resources.loop)
-        resources.loop = loop
-        resources.output_task = loop.create_task(
-            _process_outputs(
-                resources,
-                resources.async_output_socket,
-                self.decoder,
-                self.outputs_queue,
-                self.utility_results,
-            ),
-            name="EngineCoreOutputTask",
+        task = self.task
+        if task is not None and not task.done() and self.loop is loop:
+            return
+        if self.socket is None or self._dispatch is None or self._on_failure is None:
+            return  # stopped, or not started
+        if self.loop is not None and self.loop is not loop:
+            self._move_to(loop)
+        self.loop = loop
+        self.task = loop.create_task(
+            _read_outputs(self.socket, self._dispatch, self._on_failure), name="EngineCoreOutputTask"
         )
 
-    def _move_to_loop(self, old_loop: asyncio.AbstractEventLoop) -> None:
-        """Serve a new event loop after the old one has stopped (e.g. successive `asyncio.run` calls):
-        its reader task and queue died with it; outputs it had queued carry over."""
-        if old_loop.is_running():
+    def _move_to(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The old loop has stopped: its task died with it; the outputs it had queued carry over."""
+        if self.loop is not None and self.loop.is_running():
             raise RuntimeError("AsyncMPClient is in use by another running event loop.")
-        queue: asyncio.Queue = asyncio.Queue()
+        moved: asyncio.Queue = asyncio.Queue()
         with contextlib.suppress(asyncio.QueueEmpty):
             while True:
-                queue.put_nowait(self.outputs_queue.get_nowait())
-        self.outputs_queue = self._queue_box[0] = queue
-        self.resources.output_task = None
+                moved.put_nowait(self.queue.get_nowait())
+        self.queue = moved
+        self.task = None
 
-    async def get_output_async(self, timeout: float | None = None) -> EngineCoreOutputs:
-        self.ensure_alive()
-        self._ensure_output_task()
+    def deliver(self, item: EngineCoreOutputs) -> None:
+        self.queue.put_nowait(item)
+
+    def put(self, item: EngineCoreOutputs | RankDeath | BaseException) -> None:
+        self.call(lambda: self.queue.put_nowait(item))
+
+    def call(self, fn: Callable[[], None]) -> None:
+        loop = self.loop
+        if loop is None or in_loop(loop) or loop.is_closed():
+            fn()
+            return
+        with contextlib.suppress(RuntimeError):  # closed meanwhile: nobody is waiting there any more
+            loop.call_soon_threadsafe(fn)
+
+    async def get(self, timeout: float | None) -> EngineCoreOutputs | RankDeath:
         try:
             if timeout is None:
-                outputs = await self.outputs_queue.get()
+                item = await self.queue.get()
             else:
-                outputs = await asyncio.wait_for(self.outputs_queue.get(), timeout)
+                item = await asyncio.wait_for(self.queue.get(), timeout)
         except TimeoutError:
             raise TimeoutError(f"No engine core output within {timeout} s.") from None
-        if isinstance(outputs, BaseException):
-            self.outputs_queue.put_nowait(outputs)  # wake the next waiting caller too
-            raise outputs
-        return outputs
+        if isinstance(item, BaseException):
+            self.queue.put_nowait(item)  # wake the next waiting caller too
+            raise item
+        return item
 
-    def _send_input(
-        self, request_type: EngineCoreRequestType, payload: Any, engine: bytes | None = None
-    ) -> None:
-        self.ensure_alive()
-        self._ensure_output_task()
-        msg, has_buffers = self._encode_input(request_type, payload, engine)
-        try:
-            self._send_frames(msg, has_buffers)
-        except zmq.ZMQError as e:
-            self.ensure_alive()
-            raise EngineDeadError(f"Could not send to the engine core: {e}") from e
+    def stop(self) -> None:
+        """Cancel the task and close the socket on the task's own loop (an asyncio socket must not be
+        closed under a running loop's feet)."""
+        task, loop, sock = self.task, self.loop, self.socket
+        self.socket = None
+        if sock is None and task is None:
+            return
 
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        self._send_input(EngineCoreRequestType.ADD, request)
+        def stop() -> None:
+            if task is not None and not task.done():
+                with contextlib.suppress(RuntimeError):  # its loop is closed: the task is gone with it
+                    task.cancel()
+            if sock is not None:
+                with contextlib.suppress(Exception):
+                    sock.close(linger=0)
+                if not sock.closed:  # its loop is gone and could not unregister it
+                    zmq.Socket.close(sock, linger=0)
 
-    async def abort_requests_async(self, request_ids: list[str]) -> None:
-        if request_ids and not self.resources.engine_dead:
-            self._send_input(EngineCoreRequestType.ABORT, list(request_ids))
-
-    async def call_utility_async(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        self._ensure_output_task()
-        call_id = self._next_call_id()
-        future = asyncio.get_running_loop().create_future()
-        self.utility_results[call_id] = future
-        try:
-            self._send_input(EngineCoreRequestType.UTILITY, EngineCoreUtilityRequest(call_id, method, args))
-            if timeout is None:
-                return await future
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            raise TimeoutError(f"Utility call {method!r} got no answer within {timeout} s.") from None
-        finally:
-            self.utility_results.pop(call_id, None)
+        if loop is not None and loop.is_running() and not in_loop(loop):
+            done = threading.Event()
+            try:
+                loop.call_soon_threadsafe(lambda: (stop(), done.set()))
+                done.wait(LOOP_STOP_WAIT_S)
+            except RuntimeError:
+                stop()
+        else:
+            stop()
 
 
-async def _process_outputs(
-    resources: BackgroundResources,
-    sock: zmq.asyncio.Socket,
-    decoder: MsgpackDecoder,
-    outputs_queue: asyncio.Queue,
-    utility_results: dict[int, asyncio.Future],
+async def _read_outputs(
+    sock: zmq.asyncio.Socket, dispatch: Callable[[list], None], on_failure: Callable[[Exception], None]
 ) -> None:
     # a blocking view of the same socket drains bursts without a future per message
     sync_view = zmq.Socket.shadow(sock.underlying)
@@ -162,22 +156,45 @@ async def _process_outputs(
         while True:
             frames = await sock.recv_multipart(copy=False)
             while frames is not None:
-                if not resources.validate_alive(frames):
-                    outputs: EngineCoreOutputs = decoder.decode(frames)
-                    if outputs.utility_output is not None:
-                        process_utility_output(outputs.utility_output, utility_results)
-                    elif outputs.death is not None:
-                        resources.record_death(outputs.death)
-                    else:
-                        outputs_queue.put_nowait(outputs)
+                dispatch(frames)
                 try:
                     frames = sync_view.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     frames = None
-    except EngineDeadError:
-        return  # validate_alive has marked the death and woken everyone
     except Exception as e:
-        if not resources.shutting_down:
-            error = EngineDeadError(f"The engine core output socket failed: {type(e).__name__}: {e}")
-            error.__cause__ = e
-            resources.mark_dead(error)
+        on_failure(e)
+
+
+class AsyncMPClient(MPClient):
+    reader: AsyncOutputReader
+
+    def __init__(self, options: EngineOptions, router: EngineRouter | None = None) -> None:
+        super().__init__(
+            options, AsyncOutputReader(), router or SingleRankRouter(options.data_parallel_rank or 0)
+        )
+
+    async def get_output_async(self, timeout: float | None = None) -> EngineCoreOutputs:
+        self._ensure_open()
+        self.reader.ensure_task()
+        return self.router.consume(await self.reader.get(timeout))
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self.reader.ensure_task()
+        self._add(request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        self._abort(request_ids)
+
+    async def call_utility_async(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        self.reader.ensure_task()
+        calls = self._start_utility(method, args, asyncio.get_running_loop().create_future)
+        try:
+            gathered = asyncio.gather(*(future for _, _, future in calls))
+            values = await (gathered if timeout is None else asyncio.wait_for(gathered, timeout))
+        except TimeoutError:
+            raise TimeoutError(f"Utility call {method!r} got no answer within {timeout} s.") from None
+        finally:
+            self.utilities.discard([call_id for _, call_id, _ in calls])
+        return self._finish_utility(
+            method, args, dict(zip((rank for rank, _, _ in calls), values, strict=True))
+        )

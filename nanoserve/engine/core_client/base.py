@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from nanoserve.config import EngineOptions
+from nanoserve.engine.core_client.liveness import EngineLiveness
 from nanoserve.engine.exceptions import EngineDeadError
 from nanoserve.wire.messages import EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest
 
@@ -17,6 +18,9 @@ from nanoserve.wire.messages import EngineCoreOutputs, EngineCoreReadyResponse, 
 class EngineCoreClient(ABC):
     ready_response: EngineCoreReadyResponse
     """Capacity the engine core computed at start-up (KV blocks, block size, fitted max_model_len)."""
+    liveness: EngineLiveness
+    """Where each engine rank stands (alive, restarting, dead for good); frontends read it, never
+    keep their own copy."""
 
     @staticmethod
     def make_client(multiprocess_mode: bool, asyncio_mode: bool, options: EngineOptions) -> EngineCoreClient:
@@ -61,7 +65,7 @@ class EngineCoreClient(ABC):
         """Data parallel: the ranks that died while others serve on, with why (a frontend fails their
         requests with these errors and reports itself degraded). Empty for a single engine, whose death
         is the client's."""
-        return {}
+        return self.liveness.dead_ranks()
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         raise NotImplementedError

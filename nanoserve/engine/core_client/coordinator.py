@@ -17,15 +17,15 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+from typing import cast
 
 import zmq
 
+from nanoserve.engine.core_client.launch import make_socket, start_process
 from nanoserve.wire.codec import MsgpackDecoder, MsgpackEncoder
 from nanoserve.wire.messages import DPLoadUpdate, EngineLoad
 
@@ -33,6 +33,9 @@ PUBLISH_INTERVAL_S = 0.1
 HEARTBEAT_INTERVAL_S = 1.0
 PARENT_CHECK_S = 0.5
 START_TIMEOUT_S = 30.0
+"""How long the frontend waits for the coordinator to report its endpoints."""
+STOP_WAIT_S = 2.0
+"""How long a stopped coordinator may take to exit, after SIGTERM and again after SIGKILL."""
 
 
 def should_publish(changed: bool, now: float, last_publish: float) -> bool:
@@ -41,33 +44,22 @@ def should_publish(changed: bool, now: float, last_publish: float) -> bool:
     return (changed and since >= PUBLISH_INTERVAL_S) or since >= HEARTBEAT_INTERVAL_S
 
 
-def _bind(sock: zmq.Socket, transport: str, host: str = "127.0.0.1") -> tuple[str, str | None]:
-    if transport == "tcp":
-        sock.bind(f"tcp://{host}:0")
-        path = None
-    else:
-        path = os.path.join(tempfile.gettempdir(), f"nanoserve-dp-{uuid.uuid4().hex[:16]}")
-        sock.bind(f"ipc://{path}")
-    return sock.getsockopt(zmq.LAST_ENDPOINT).decode(), path
-
-
 def run_coordinator(ranks: list[int], transport: str, conn, parent_pid: int, stats_host: str) -> None:
     """Target of the coordinator process."""
     ctx = zmq.Context()
-    pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
-    paths = []
+    sockets, paths = [], []
     try:
-        for sock in (pull, pub):
-            sock.setsockopt(zmq.LINGER, 0)
-        stats_address, stats_path = _bind(pull, transport, stats_host)
-        publish_address, publish_path = _bind(pub, transport)
+        pull, stats_address, stats_path = make_socket(ctx, zmq.PULL, transport, stats_host)
+        sockets.append(pull)
+        pub, publish_address, publish_path = make_socket(ctx, zmq.PUB, transport)
+        sockets.append(pub)
         paths = [p for p in (stats_path, publish_path) if p]
         conn.send((stats_address, publish_address))
         conn.close()
         _serve(pull, pub, ranks, parent_pid)
     finally:
-        pull.close(linger=0)
-        pub.close(linger=0)
+        for sock in sockets:
+            sock.close(linger=0)
         ctx.term()
         for path in paths:
             with contextlib.suppress(FileNotFoundError):
@@ -83,8 +75,8 @@ def _serve(pull: zmq.Socket, pub: zmq.Socket, ranks: list[int], parent_pid: int)
     while True:
         now = time.monotonic()
         wait = (PUBLISH_INTERVAL_S if changed else HEARTBEAT_INTERVAL_S) - (now - last_publish)
-        if pull.poll(max(0.0, min(wait, PARENT_CHECK_S)) * 1000):
-            while pull.get(zmq.EVENTS) & zmq.POLLIN:
+        if pull.poll(int(max(0.0, min(wait, PARENT_CHECK_S)) * 1000)):
+            while cast(int, pull.get(zmq.EVENTS)) & zmq.POLLIN:
                 load = decoder.decode([pull.recv(copy=False)])
                 changed = changed or load != loads.get(load.engine_rank)
                 loads[load.engine_rank] = load
@@ -114,18 +106,9 @@ def start_coordinator(
     ranks: list[int], transport: str, start_method: str, stats_host: str = "127.0.0.1"
 ) -> tuple[BaseProcess, str, str]:
     """Start the coordinator; returns it with its stats and publish endpoints (as bound)."""
-    from nanoserve.engine.core_client.launch import _main_module_hidden
-
-    mp = multiprocessing.get_context(start_method)
-    parent_conn, child_conn = mp.Pipe(duplex=False)
-    proc = mp.Process(
-        target=run_coordinator,
-        name="DPCoordinator",
-        args=(list(ranks), transport, child_conn, os.getpid(), stats_host),
-        daemon=True,
-    )
-    with _main_module_hidden(start_method):
-        proc.start()
+    parent_conn, child_conn = multiprocessing.get_context(start_method).Pipe(duplex=False)
+    args = (list(ranks), transport, child_conn, os.getpid(), stats_host)
+    proc = start_process(start_method, run_coordinator, "DPCoordinator", args)
     child_conn.close()
     try:
         if not parent_conn.poll(START_TIMEOUT_S):
@@ -142,10 +125,10 @@ def start_coordinator(
 def stop_coordinator(proc: BaseProcess) -> None:
     if proc.exitcode is None:
         proc.terminate()
-        proc.join(2)
+        proc.join(STOP_WAIT_S)
     if proc.exitcode is None:
         proc.kill()
-        proc.join(2)
+        proc.join(STOP_WAIT_S)
 
 
 class LoadSubscriber:

@@ -17,10 +17,14 @@ cache those blocks cost nothing, and that engine takes the request unless it is 
 this request included, above `AFFINITY_SLACK` times the lightest engine's). Otherwise the lightest
 engine takes it; ties rotate.
 
-A dead rank (death frame or monitor, `BackgroundResources.mark_rank_dead`): its pending utility calls
-fail at once; a marker on the output queue becomes, when the frontend next reads outputs, one ERROR
-output per request the rank held, carrying the `EngineDeadError` text that names the rank, so every
-frontend finishes those requests through its ordinary output path. That batch also carries `death`
+All of this is the `BalancedRouter` the clients below are composed with; each client is its sync or
+asyncio base with that router, nothing more.
+
+A rank that restarts (`engine_restarts`) keeps its requests: they resume on it once it is back, while
+new requests go to the ranks that are alive. A rank dead for good: its pending utility calls fail at
+once; a marker on the output queue becomes, when the frontend next reads outputs, one ERROR output per
+request the rank held, carrying the `EngineDeadError` text that names the rank, so every frontend
+finishes those requests through its ordinary output path. That batch also carries `death`
 (frontend-side only: never on the wire past the reader), so a frontend that raises errors rather than
 returning them (AsyncLLM) can tell these requests from ones the engine refused, and raise the rank's
 `EngineDeadError` from `dead_rank_errors()`. New requests and utility calls go to the live ranks only.
@@ -29,22 +33,17 @@ When the last rank dies the client is dead exactly as with one engine.
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import contextlib
 import threading
-import time
-from collections.abc import Callable, Container
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeoutError
+from collections.abc import Container
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanoserve.config import EngineOptions
 from nanoserve.engine.core_client.async_mp import AsyncMPClient
 from nanoserve.engine.core_client.coordinator import LoadSubscriber, start_coordinator
-from nanoserve.engine.core_client.launch import EngineZmqAddresses, engine_identity
-from nanoserve.engine.core_client.mp import MPClient, _fail_future, _in_loop
+from nanoserve.engine.core_client.liveness import EngineLiveness, RankState
+from nanoserve.engine.core_client.router import RankDeath
 from nanoserve.engine.core_client.sync_mp import SyncMPClient
 from nanoserve.engine.exceptions import EngineDeadError
 from nanoserve.wire.messages import (
@@ -52,12 +51,14 @@ from nanoserve.wire.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    EngineCoreRequestType,
-    EngineCoreUtilityRequest,
     EngineDeathRecord,
     FinishReason,
     SchedulerStats,
 )
+
+if TYPE_CHECKING:
+    from nanoserve.engine.core_client.launch import EngineZmqAddresses, SocketHost
+    from nanoserve.engine.core_client.mp import BackgroundResources
 
 AFFINITY_MAX_BLOCKS = 8
 """Leading full prompt blocks remembered per request for prefix affinity."""
@@ -178,6 +179,12 @@ class DPLoadBalancer:
             for request_id in finished or ():
                 self._release(request_id)
 
+    def release(self, request_ids: list[str]) -> None:
+        """Forget requests no engine will report finished."""
+        with self._lock:
+            for request_id in request_ids:
+                self._release(request_id)
+
     def apply_update(self, update: DPLoadUpdate) -> None:
         """A coordinator publication (on the subscriber thread)."""
         with self._lock:
@@ -212,14 +219,6 @@ class DPLoadBalancer:
             self.prefix_ranks.clear()
 
 
-@dataclass
-class _RankDeath:
-    """Output-queue marker: this rank died; fail the requests it held when the frontend reads it."""
-
-    rank: int
-    error: EngineDeadError
-
-
 def combine_utility_results(method: str, results: dict[int, Any]) -> Any:
     """One answer from every live rank's answer."""
     values = list(results.values())
@@ -232,41 +231,20 @@ def combine_utility_results(method: str, results: dict[int, Any]) -> Any:
     return values[0]
 
 
-def _make_on_rank_dead(
-    utility_results: dict[int, Any],
-    utility_ranks: dict[int, int],
-    put_output: Callable[[Any], None],
-    deliver: Callable[[Callable[[], None]], None],
-) -> Callable[[int, EngineDeadError], None]:
-    """Built from the client's parts, not the client: the resources (its finalizer) must not refer to it."""
-
-    def fail_rank(rank: int, error: EngineDeadError) -> None:
-        for call_id, owner in list(utility_ranks.items()):
-            if owner == rank:
-                future = utility_results.pop(call_id, None)
-                if future is not None:
-                    _fail_future(future, error)
-        put_output(_RankDeath(rank, error))
-
-    return lambda rank, error: deliver(lambda: fail_rank(rank, error))
-
-
-class _DPLBClient(MPClient):
-    """What the balancing clients add to SyncMPClient / AsyncMPClient (mixed in before them)."""
+class BalancedRouter:
+    """The `EngineRouter` of the balancing clients: every rank of `data_parallel_size`, requests placed by
+    a `DPLoadBalancer` fed by the coordinator and by the engines' own outputs."""
 
     def __init__(self, options: EngineOptions) -> None:
-        self.balancer = DPLoadBalancer(list(range(options.data_parallel_size)), options.block_size)
-        self.utility_ranks: dict[int, int] = {}
-        """call_id -> the rank it was sent to, so a rank's death fails its calls."""
-        super().__init__(options)
+        self.options = options
+        self.ranks = list(range(options.data_parallel_size))
+        self.balancer = DPLoadBalancer(self.ranks, options.block_size)
+        self.load_subscriber: LoadSubscriber | None = None
 
-    def _engine_ranks(self, options: EngineOptions) -> list[int]:
-        return list(range(options.data_parallel_size))
-
-    def _start_coordinator(self, addresses: EngineZmqAddresses) -> None:
-        options, resources, host = self.options, self.resources, self.engine_host
+    def start(self, resources: BackgroundResources, host: SocketHost, addresses: EngineZmqAddresses) -> None:
+        """Start the coordinator before the engines: they connect to its stats socket."""
         proc, stats_address, publish_address = start_coordinator(
-            self._engine_ranks(options), host.transport, options.engine_start_method, host.bind
+            self.ranks, host.transport, self.options.engine_start_method, host.bind
         )
         resources.coordinator = proc
         resources.ipc_paths += [
@@ -274,42 +252,40 @@ class _DPLBClient(MPClient):
         ]
         addresses.stats = host.endpoint(stats_address)
         self.load_subscriber = LoadSubscriber(
-            resources.ctx, publish_address, self.balancer.apply_update, lambda: resources.shutting_down
+            resources.ctx, publish_address, self.balancer.apply_update, lambda: resources.closed
         )
-        resources.thread_idents.add(self.load_subscriber.thread.ident)
+        resources.own(self.load_subscriber.thread)
 
-    @property
-    def dead_ranks(self) -> set[int]:
-        return set(self.resources.dead_ranks)
+    def choose(self, request: EngineCoreRequest, liveness: EngineLiveness) -> int:
+        """The lightest alive rank; a restarting one only when none is alive (it gets it on its return)."""
+        final = set(liveness.ranks_in(RankState.FINAL))
+        restarting = set(liveness.ranks_in(RankState.RESTARTING))
+        if len(final) + len(restarting) < len(self.ranks):
+            return self.balancer.choose(request, final | restarting)
+        return self.balancer.choose(request, final)
 
-    @property
-    def live_ranks(self) -> list[int]:
-        dead = self.resources.dead_ranks
-        return [rank for rank in self.engine_ranks if rank not in dead]
-
-    @property
-    def is_degraded(self) -> bool:
-        """Some ranks are dead, others still serve."""
-        return bool(self.resources.dead_ranks) and not self.resources.engine_dead
-
-    def dead_rank_errors(self) -> dict[int, EngineDeadError]:
-        return dict(self.resources.dead_ranks)
-
-    def _route(self, request: EngineCoreRequest) -> bytes:
-        self.ensure_alive()
-        return engine_identity(self.balancer.choose(request, self.resources.dead_ranks))
-
-    def _abort_groups(self, request_ids: list[str]) -> dict[bytes, list[str]]:
-        groups: dict[bytes, list[str]] = {}
-        dead = self.resources.dead_ranks
+    def owners(self, request_ids: list[str]) -> dict[int, list[str]]:
+        groups: dict[int, list[str]] = {}
         for request_id in request_ids:
             rank = self.balancer.owner(request_id)
-            if rank is not None and rank not in dead:  # unknown: finished already; dead: failed already
-                groups.setdefault(engine_identity(rank), []).append(request_id)
+            if rank is not None:  # unknown: finished already
+                groups.setdefault(rank, []).append(request_id)
         return groups
 
-    def _consume(self, item: EngineCoreOutputs | _RankDeath) -> EngineCoreOutputs:
-        if isinstance(item, _RankDeath):
+    def released(self, request_ids: list[str]) -> None:
+        self.balancer.release(request_ids)
+
+    def utility_targets(self, method: str, liveness: EngineLiveness) -> list[int]:
+        live = [rank for rank in self.ranks if liveness.state(rank) is not RankState.FINAL]
+        if method in ("reset_prefix_cache", "sleep"):
+            self.balancer.forget_prefixes()
+        return live[:1] if method in SINGLE_RANK_UTILITIES else live
+
+    def combine(self, method: str, results: dict[int, Any]) -> Any:
+        return combine_utility_results(method, results)
+
+    def consume(self, item: EngineCoreOutputs | RankDeath) -> EngineCoreOutputs:
+        if isinstance(item, RankDeath):
             ids = self.balancer.release_rank(item.rank)
             message = str(item.error)
             outputs = [EngineCoreOutput(i, [], finish_reason=FinishReason.ERROR, error=message) for i in ids]
@@ -320,122 +296,23 @@ class _DPLBClient(MPClient):
         self.balancer.update(item.engine_index, item.scheduler_stats, item.finished_requests)
         return item
 
-    def _utility_targets(self, method: str) -> list[int]:
-        self.ensure_alive()
-        live = self.live_ranks
-        if not live:
-            raise self.resources.dead_error or EngineDeadError("Every data-parallel engine rank is dead.")
-        if method in ("reset_prefix_cache", "sleep"):
-            self.balancer.forget_prefixes()
-        return live[:1] if method in SINGLE_RANK_UTILITIES else live
 
-    def _register_utility(self, rank: int, future: Any) -> int:
-        call_id = self._next_call_id()
-        self.utility_results[call_id] = future
-        self.utility_ranks[call_id] = rank
-        error = self.resources.dead_ranks.get(rank)
-        if error is not None:  # died between choosing targets and registering: nobody else fails it
-            _fail_future(future, error)
-        return call_id
-
-    def _unregister_utilities(self, call_ids: list[int]) -> None:
-        for call_id in call_ids:
-            self.utility_results.pop(call_id, None)
-            self.utility_ranks.pop(call_id, None)
-
-
-class DPLBSyncMPClient(_DPLBClient, SyncMPClient):
+class DPLBSyncMPClient(SyncMPClient):
     """Several engine ranks balanced by this synchronous client (LLM offline)."""
 
-    def _start_output_reader(self) -> None:
-        super()._start_output_reader()
-        self.resources.on_rank_dead = _make_on_rank_dead(
-            self.utility_results, self.utility_ranks, self.outputs_queue.put_nowait, lambda fn: fn()
-        )
-
-    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        return self._consume(super().get_output(timeout))
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self._send_input(EngineCoreRequestType.ADD, request, self._route(request))
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        if self.resources.engine_dead:
-            return
-        for engine, ids in self._abort_groups(request_ids).items():
-            self._send_input(EngineCoreRequestType.ABORT, ids, engine)
-
-    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        futures: dict[int, tuple[int, Future]] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            for rank in self._utility_targets(method):
-                future: Future = Future()
-                call_id = self._register_utility(rank, future)
-                futures[call_id] = (rank, future)
-                request = EngineCoreUtilityRequest(call_id, method, args)
-                self._send_input(EngineCoreRequestType.UTILITY, request, engine_identity(rank))
-            results = {}
-            for rank, future in futures.values():
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                results[rank] = future.result(timeout=remaining)
-        except FutureTimeoutError:
-            raise TimeoutError(f"Utility call {method!r} got no answer within {timeout} s.") from None
-        finally:
-            self._unregister_utilities(list(futures))
-        return combine_utility_results(method, results)
+    def __init__(self, options: EngineOptions) -> None:
+        router = BalancedRouter(options)
+        super().__init__(options, router)
+        self.balancer = router.balancer
 
 
-class DPLBAsyncMPClient(_DPLBClient, AsyncMPClient):
+class DPLBAsyncMPClient(AsyncMPClient):
     """Several engine ranks balanced by this asyncio client (AsyncLLM, the HTTP server)."""
 
-    def _start_output_reader(self) -> None:
-        super()._start_output_reader()
-        resources, queue_box = self.resources, self._queue_box
-
-        def deliver(fn: Callable[[], None]) -> None:
-            loop = resources.loop
-            if loop is None or _in_loop(loop) or loop.is_closed():
-                fn()
-            else:
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(fn)
-
-        resources.on_rank_dead = _make_on_rank_dead(
-            self.utility_results, self.utility_ranks, lambda item: queue_box[0].put_nowait(item), deliver
-        )
-
-    async def get_output_async(self, timeout: float | None = None) -> EngineCoreOutputs:
-        return self._consume(await super().get_output_async(timeout))
-
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        self._send_input(EngineCoreRequestType.ADD, request, self._route(request))
-
-    async def abort_requests_async(self, request_ids: list[str]) -> None:
-        if self.resources.engine_dead:
-            return
-        for engine, ids in self._abort_groups(request_ids).items():
-            self._send_input(EngineCoreRequestType.ABORT, ids, engine)
-
-    async def call_utility_async(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        self._ensure_output_task()
-        loop = asyncio.get_running_loop()
-        futures: dict[int, tuple[int, asyncio.Future]] = {}
-        try:
-            for rank in self._utility_targets(method):
-                future = loop.create_future()
-                call_id = self._register_utility(rank, future)
-                futures[call_id] = (rank, future)
-                request = EngineCoreUtilityRequest(call_id, method, args)
-                self._send_input(EngineCoreRequestType.UTILITY, request, engine_identity(rank))
-            ranks = [rank for rank, _ in futures.values()]
-            gathered = asyncio.gather(*(future for _, future in futures.values()))
-            values = await (gathered if timeout is None else asyncio.wait_for(gathered, timeout))
-        except TimeoutError:
-            raise TimeoutError(f"Utility call {method!r} got no answer within {timeout} s.") from None
-        finally:
-            self._unregister_utilities(list(futures))
-        return combine_utility_results(method, dict(zip(ranks, values, strict=True)))
+    def __init__(self, options: EngineOptions) -> None:
+        router = BalancedRouter(options)
+        super().__init__(options, router)
+        self.balancer = router.balancer
 
 
 class DPAsyncMPClient(AsyncMPClient):

@@ -11,6 +11,7 @@ from typing import Any
 from nanoserve.config import EngineOptions
 from nanoserve.core.engine_core import EngineCore
 from nanoserve.engine.core_client.base import EngineCoreClient
+from nanoserve.engine.core_client.liveness import EngineLiveness
 from nanoserve.wire.messages import EngineCoreOutputs, EngineCoreRequest
 
 
@@ -18,6 +19,7 @@ class InprocClient(EngineCoreClient):
     def __init__(self, options: EngineOptions) -> None:
         self.engine_core = EngineCore(options)
         self.ready_response = self.engine_core.ready_response
+        self.liveness = EngineLiveness([0])  # an engine in this process dies with it: always alive
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         outputs = self.engine_core.step()

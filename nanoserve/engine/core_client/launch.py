@@ -6,9 +6,10 @@ child connects back and reports its phases on the ROUTER; the last report carrie
 `EngineCoreReadyResponse`. One deadline (NANOSERVE_ENGINE_READY_TIMEOUT_S, default 600 s) covers spawn,
 imports, weight loading and KV sizing. A child that exits during start-up ends the wait at once with
 its exit code and, when it could still send it, its death record (read from the output PULL).
+A rank restarted after a death goes through the same wait, alone, as its next incarnation.
 
 Who runs the engines is an `EngineManager`: `EngineProcManager` here (child processes), or
-`RayEngineManager` (`ray_launch.py`, Ray actors). The client, the start-up wait and the monitor thread
+`RayEngineManager` (`ray_launch.py`, Ray actors). The client, the start-up wait and the rank watchers
 see only that interface; a manager also says where the frontend must bind (`SocketHost`).
 """
 
@@ -26,14 +27,16 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import zmq
 
+from nanoserve import envs
 from nanoserve.config import EngineOptions
+from nanoserve.engine.core_client.engine_input import EngineInput
 from nanoserve.engine.exceptions import EngineDeadError, EngineStartupError
 from nanoserve.wire.codec import MsgpackDecoder
 from nanoserve.wire.messages import (
@@ -46,19 +49,20 @@ from nanoserve.wire.messages import (
 
 logger = logging.getLogger(__name__)
 
-READY_TIMEOUT_ENV = "NANOSERVE_ENGINE_READY_TIMEOUT_S"
-DEFAULT_READY_TIMEOUT_S = 600.0
 READY_TIMEOUT_MESSAGE = (
     "Timed out waiting for engine core processes to start. "
     "This is often caused by slow weight loading for large models."
 )
 TERMINATE_GRACE_S = 5.0
 """How long shutdown waits after SIGTERM (beyond the engine's own drain time) before SIGKILL."""
-
-
-def engine_identity(rank: int) -> bytes:
-    """The ROUTER identity of an engine rank (the engine sets the same on its DEALER)."""
-    return rank.to_bytes(2, "little")
+KILL_WAIT_S = 5.0
+"""How long a SIGKILLed child may take to be reaped."""
+REAP_WAIT_S = 1.0
+"""A process's sentinel fires just before its exit status can be reaped: how long to wait for that."""
+PHASE_POLL_S = 0.05
+"""How often a start-up wait looks at the ROUTER (a death wakes it at once)."""
+DEATH_RECORD_WAIT_S = 0.5
+"""How long to wait for the record of an engine that died during start-up, before reporting without it."""
 
 
 def engine_options(options: EngineOptions) -> EngineOptions:
@@ -75,10 +79,6 @@ def available_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
-
-
-def ready_timeout_s() -> float:
-    return float(os.environ.get(READY_TIMEOUT_ENV, DEFAULT_READY_TIMEOUT_S))
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,14 @@ class EngineZmqAddresses:
     """Data parallel: the coordinator's PULL, where each engine pushes its load."""
 
 
+SocketT = TypeVar("SocketT", bound=zmq.Socket)
+
+
 def make_socket(
-    ctx: zmq.Context, socket_type: int, transport: str, host: str = "127.0.0.1"
-) -> tuple[zmq.Socket, str, str | None]:
-    """Bind a socket of `socket_type` and return it, its resolved endpoint and its ipc file, if any."""
+    ctx: zmq.Context[SocketT], socket_type: int, transport: str, host: str = "127.0.0.1"
+) -> tuple[SocketT, str, str | None]:
+    """Bind a socket of `socket_type` and return it, its resolved endpoint and its ipc file, if any.
+    Every socket the frontend side binds (engine sockets, the coordinator's) is made here."""
     sock = ctx.socket(socket_type)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -125,34 +129,38 @@ def make_socket(
     except BaseException:
         sock.close(linger=0)
         raise
-    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    endpoint = cast(bytes, sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
     return sock, endpoint, path
 
 
 class EngineManager(Protocol):
     """What a client needs from whoever runs its engine ranks. Each rank has a sentinel, a file
-    descriptor that turns readable once the rank has ended, so one poll can wait for engines and
-    sockets together. An exit code is 0 after a requested shutdown, positive after a failure, negative
-    for a killing signal, None when unknown (or still running)."""
+    descriptor that turns readable once the rank's current incarnation has ended, so one wait can
+    watch engines of both kinds. An exit code is 0 after a requested shutdown, positive after a
+    failure, negative for a killing signal, None when unknown (or still running)."""
 
     host: SocketHost
     start_phase: str
     """What a rank is doing before it reports its first phase."""
 
-    @property
-    def ranks(self) -> list[int]: ...
-
     def start(self, addresses: EngineZmqAddresses, ranks: list[int]) -> None: ...
 
-    def sentinels(self) -> dict[int, int]: ...
+    def restart(self, rank: int, incarnation: int) -> None:
+        """Start a rank again, as that incarnation, after its previous one ended (same rank, same
+        sockets). Refused with EngineDeadError once shutdown has begun."""
+        ...
+
+    def kill(self, rank: int) -> None:
+        """End a rank's current incarnation at once (a restart that hangs in start-up)."""
+        ...
+
+    def sentinel(self, rank: int) -> int: ...
+
+    def ended(self, rank: int) -> bool: ...
 
     def exit_code(self, rank: int) -> int | None: ...
 
     def wait(self, rank: int, timeout: float) -> int | None: ...
-
-    def finished(self) -> dict[int, int | None]:
-        """Ranks that have ended, with their exit codes."""
-        ...
 
     def death_record(self, rank: int) -> EngineDeathRecord | None:
         """Why a rank ended, as far as the manager knows (the engine's own record comes over the
@@ -174,9 +182,9 @@ def make_engine_manager(options: EngineOptions) -> EngineManager:
 
 
 class EngineProcManager:
-    """The engine-core child processes of one client: start, watch, stop.
+    """The engine-core child processes of one client: start, restart, watch, stop.
 
-    Every wait for a child goes through one lock. The monitor thread and `shutdown` may wait for the
+    Every wait for a child goes through one lock. A rank's watcher and `shutdown` may wait for the
     same child at once, and of two concurrent waitpid calls only one gets the exit status: the other
     would read the child as still running, and shutdown would SIGKILL a process that already exited 0.
     """
@@ -187,31 +195,51 @@ class EngineProcManager:
         self.options = options
         self.host = SocketHost(options.transport)
         self.procs: dict[int, BaseProcess] = {}
+        self._addresses: EngineZmqAddresses | None = None
         self._reap_lock = threading.Lock()
-
-    @property
-    def ranks(self) -> list[int]:
-        return list(self.procs)
+        self._spawn_lock = threading.Lock()
+        """Held while spawning, and by shutdown to close: no child is started once shutdown has begun."""
+        self._closed = False
 
     def start(self, addresses: EngineZmqAddresses, ranks: list[int]) -> None:
-        from nanoserve.core.engine_core_proc import run_engine_core
-
-        options = self.options
-        mp = multiprocessing.get_context(options.engine_start_method)
-        per_engine = engine_options(options)
+        self._addresses = addresses
         for rank in ranks:
-            proc = mp.Process(
-                target=run_engine_core,
-                name=f"EngineCore_{rank}",
-                args=(per_engine, rank, addresses.input, addresses.output, os.getpid(), addresses.stats),
-                daemon=True,
-            )
-            self.procs[rank] = proc
-            with _main_module_hidden(options.engine_start_method):
-                proc.start()
+            self._spawn(rank, 0)
 
-    def sentinels(self) -> dict[int, int]:
-        return {proc.sentinel: rank for rank, proc in self.procs.items()}
+    def restart(self, rank: int, incarnation: int) -> None:
+        self.wait(rank, KILL_WAIT_S)  # reap the dead one
+        with self._spawn_lock:
+            if self._closed:
+                raise EngineDeadError("The engine core client is shutting down.")
+            self._spawn(rank, incarnation)
+
+    def _spawn(self, rank: int, incarnation: int) -> None:
+        from nanoserve.core.bootstrap import run_engine_core
+        from nanoserve.core.engine_core_proc import EngineCoreProcArgs
+
+        options, addresses = self.options, self._addresses
+        assert addresses is not None
+        args = EngineCoreProcArgs(
+            engine_options(options),
+            rank,
+            addresses.input,
+            addresses.output,
+            addresses.stats,
+            incarnation,
+            frontend_pid=os.getpid(),
+        )
+        self.procs[rank] = start_process(
+            options.engine_start_method, run_engine_core, f"EngineCore_{rank}", (args,)
+        )
+
+    def kill(self, rank: int) -> None:
+        _signal(self.procs[rank], signal.SIGKILL)
+
+    def sentinel(self, rank: int) -> int:
+        return self.procs[rank].sentinel
+
+    def ended(self, rank: int) -> bool:
+        return self.exit_code(rank) is not None
 
     def exit_code(self, rank: int) -> int | None:
         with self._reap_lock:
@@ -223,7 +251,7 @@ class EngineProcManager:
         proc = self.procs[rank]
         multiprocessing.connection.wait([proc.sentinel], timeout)
         with self._reap_lock:
-            proc.join(timeout=1)  # the sentinel fires just before the exit status can be reaped
+            proc.join(timeout=REAP_WAIT_S)
             return proc.exitcode
 
     def pids(self) -> list[int]:
@@ -232,17 +260,13 @@ class EngineProcManager:
     def death_record(self, rank: int) -> EngineDeathRecord | None:
         return None  # a process says nothing beyond its exit code
 
-    def finished(self) -> dict[int, int | None]:
-        """Ranks whose process has exited, with their exit codes."""
-        with self._reap_lock:
-            exit_codes = {rank: p.exitcode for rank, p in self.procs.items()}
-        return {rank: code for rank, code in exit_codes.items() if code is not None}
-
     def shutdown(self, timeout: float | None = None) -> None:
         """SIGTERM every engine, wait for the drain, SIGKILL what is left. Bounded and idempotent."""
+        with self._spawn_lock:
+            self._closed = True
         if timeout is None:
             timeout = self.options.shutdown_timeout + TERMINATE_GRACE_S
-        alive = [rank for rank in self.procs if rank not in self.finished()]
+        alive = [rank for rank in self.procs if not self.ended(rank)]
         for rank in alive:
             _signal(self.procs[rank], signal.SIGTERM)
         deadline = time.monotonic() + timeout
@@ -251,13 +275,22 @@ class EngineProcManager:
                 proc = self.procs[rank]
                 logger.warning("engine core %s did not stop within %.1f s; killing it", proc.name, timeout)
                 _signal(proc, signal.SIGKILL)
-                self.wait(rank, 5)
+                self.wait(rank, KILL_WAIT_S)
+
+
+def start_process(start_method: str, target: Callable[..., None], name: str, args: tuple) -> BaseProcess:
+    """Start a daemon child (an engine core, the coordinator) with `start_method`."""
+    context: Any = multiprocessing.get_context(start_method)  # typed as BaseContext, which lacks Process
+    proc = context.Process(target=target, name=name, args=args, daemon=True)
+    with main_module_hidden(start_method):
+        proc.start()
+    return proc
 
 
 @contextlib.contextmanager
-def _main_module_hidden(start_method: str) -> Iterator[None]:
-    """Keep a spawned engine from re-running the user's script: it needs nothing from `__main__`, and a
-    script without an `if __name__ == "__main__":` guard would otherwise start engines recursively."""
+def main_module_hidden(start_method: str) -> Generator[None]:
+    """Keep a spawned child from re-running the user's script: it needs nothing from `__main__`, and
+    a script without an `if __name__ == "__main__":` guard would otherwise start engines recursively."""
     main = sys.modules.get("__main__")
     if start_method == "fork" or main is None:
         yield
@@ -285,53 +318,67 @@ def _signal(proc: BaseProcess, signum: int) -> None:
 
 
 def wait_for_engine_startup(
-    input_socket: zmq.Socket,
-    output_socket: zmq.Socket,
+    engine_input: EngineInput,
     manager: EngineManager,
+    incarnations: dict[int, int],
+    read_death_record: Callable[[int], EngineDeathRecord | None],
     timeout_s: float | None = None,
+    cancelled: Callable[[], bool] = lambda: False,
 ) -> dict[int, EngineCoreReadyResponse]:
-    """Collect every engine's ready response, logging phases; raise on death or at the deadline."""
-    timeout_s = ready_timeout_s() if timeout_s is None else timeout_s
+    """Collect the ready response of each rank in `incarnations` (rank -> the incarnation expected),
+    logging phases; raise on a death, at the deadline, or once `cancelled()` says so.
+
+    Phases of other ranks or older incarnations are ignored: a restart may find a dead attempt's
+    messages still queued."""
+    timeout_s = envs.engine_ready_timeout_s() if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout_s
     phase_decoder = MsgpackDecoder(EngineHandshakePhase)
     ready_decoder = MsgpackDecoder(EngineCoreReadyResponse)
-    phases = {rank: manager.start_phase for rank in manager.ranks}
+    phases = {rank: manager.start_phase for rank in incarnations}
     ready: dict[int, EngineCoreReadyResponse] = {}
     started = time.monotonic()
-    poller = zmq.Poller()
-    poller.register(input_socket, zmq.POLLIN)
-    for sentinel in manager.sentinels():
-        poller.register(sentinel, zmq.POLLIN)
     while len(ready) < len(phases):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             waiting = ", ".join(f"engine {r}: {phases[r]}" for r in sorted(phases) if r not in ready)
             raise TimeoutError(
-                f"{READY_TIMEOUT_MESSAGE} Waited {timeout_s:g} s ({waiting}); set {READY_TIMEOUT_ENV} to a larger "
-                "number of seconds to wait longer."
+                f"{READY_TIMEOUT_MESSAGE} Waited {timeout_s:g} s ({waiting}); set {envs.ENGINE_READY_TIMEOUT_S} "
+                "to a larger number of seconds to wait longer."
             )
-        events = dict(poller.poll(timeout=remaining * 1000))
-        if input_socket in events:
-            identity, *frames = input_socket.recv_multipart()
-            rank = int.from_bytes(identity, "little")
+        if cancelled():
+            raise EngineDeadError("The engine core client is shutting down.")
+        message = engine_input.recv()
+        if message is None:
+            waiting = [manager.sentinel(rank) for rank in phases if rank not in ready]
+            multiprocessing.connection.wait(waiting, min(remaining, PHASE_POLL_S))
+        else:
+            rank, frames = message
             phase = phase_decoder.decode(frames[0])
-            phases[rank] = phase.phase
-            logger.info(
-                "engine core %d: %s (%.1f s)", rank, phase.phase.replace("_", " "), time.monotonic() - started
-            )
-            if phase.phase == "ready":
-                ready[rank] = ready_decoder.decode(frames[1])
-        for rank, code in manager.finished().items():
-            record = _read_death_record(output_socket) or manager.death_record(rank)
-            raise startup_error(rank, code, phases[rank], record)
+            if incarnations.get(rank) == phase.incarnation:
+                phases[rank] = phase.phase
+                logger.info(
+                    "engine core %d: %s (%.1f s)",
+                    rank,
+                    phase.phase.replace("_", " "),
+                    time.monotonic() - started,
+                )
+                if phase.phase == "ready":
+                    ready[rank] = ready_decoder.decode(frames[1])
+        for rank in phases:
+            if rank not in ready and manager.ended(rank):
+                record = read_death_record(rank) or manager.death_record(rank)
+                raise startup_error(rank, manager.exit_code(rank), phases[rank], record)
     return ready
 
 
-def _read_death_record(output_socket: zmq.Socket, wait_s: float = 0.5) -> EngineDeathRecord | None:
-    """The death record a child sends just before exiting, if it got that far."""
+def read_death_record(
+    output_socket: zmq.Socket, wait_s: float = DEATH_RECORD_WAIT_S
+) -> EngineDeathRecord | None:
+    """The death record a child sends just before exiting, if it got that far (read straight from the
+    output socket: only before the client's reader owns it)."""
     decoder = MsgpackDecoder(EngineCoreOutputs)
     deadline = time.monotonic() + wait_s
-    while output_socket.poll(max(0.0, deadline - time.monotonic()) * 1000):
+    while output_socket.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
         frames = output_socket.recv_multipart(copy=False)
         if len(frames) == 1 and frames[0].bytes == ENGINE_CORE_DEAD:
             return None

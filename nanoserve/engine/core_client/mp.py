@@ -1,67 +1,105 @@
-"""MPClient: the shared half of the multiprocess clients (engine core in child processes over ZMQ).
+"""MPClient: the shared half of the multiprocess clients (engine cores in child processes or Ray actors).
 
-Sockets (bound here; engines connect): input ROUTER sends `[identity, request_type, *payload]`, identity
-being the engine rank as 2 bytes little-endian; output PULL receives encoded `EngineCoreOutputs`.
-Subclasses own how outputs are read (a thread for `SyncMPClient`, an asyncio task for `AsyncMPClient`).
+Sockets (bound here; engines connect): the input ROUTER (`EngineInput`) sends `[identity, request_type,
+*payload]`, the identity naming the rank; the output PULL receives encoded `EngineCoreOutputs`.
 
-Death is seen three ways: the `ENGINE_CORE_DEAD` frame (after a death record carrying the cause), the
-monitor thread seeing an engine end (a process exit, or a Ray actor's end: the `EngineManager` turns
-either into a readable sentinel), and an error on the output socket. Each marks
-`BackgroundResources.engine_dead`, fails every pending utility future and wakes every blocked
-`get_output` with the same `EngineDeadError`; sends fail at once from then on. With several engine
-ranks (data parallel), the death of one rank only marks that rank (`mark_rank_dead`); the client is dead
-once every rank is.
+A client is composed of parts that know nothing of it, so that its finalizer can run while they live:
+  reader      the transport from the output socket to the frontend: a thread and a `queue.Queue`
+              (`SyncMPClient`), or an asyncio task and an `asyncio.Queue` (`AsyncMPClient`);
+  dispatch    what each message means, the same for both readers (`OutputDispatch`);
+  router      which rank a request or utility call goes to: one, or several balanced (`dp.py`);
+  liveness    each rank's state: alive, restarting, or dead for good (`EngineLiveness`);
+  ledger      what a restarted rank must resume (`ReplayLedger`, kept only with `engine_restarts`);
+  watchers    one thread per rank: a death is reported, and a restart carried out (`RankWatcher`);
+  resources   what must be released, the `weakref.finalize` callback (`BackgroundResources`).
 
-Cleanup: `BackgroundResources` is the `weakref.finalize` callback, so engines, sockets and the context
-are reclaimed on `shutdown()`, on garbage collection, and when construction fails half-way.
+Death is seen three ways: the `ENGINE_CORE_DEAD` frame (after a death record carrying the cause), a
+rank's watcher seeing its process or actor end, and an error on the output socket. Whichever comes
+first reports it to the liveness, which decides: a restart while the budget lasts, else the end of the
+rank. Either way the utility calls sent to the dead engine fail with `EngineDeadError`. A rank that is
+dead for good fails its requests (with several ranks; the others serve on) or, being the last, the
+client: every blocked getter wakes with the error once the outputs received before it are read.
+
+Ordering with restarts: the client changes the ledger, decides where a request goes and sends it while
+holding the liveness lock; the reader checks a message's incarnation and passes it on under the same
+lock; a watcher replays a restarted rank's requests and marks it alive under it too. So a request is
+either sent to a live engine or held for the restart's replay, and the replay starts exactly where the
+frontend's tokens end.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import concurrent.futures
 import contextlib
-import itertools
-import logging
 import os
 import threading
-import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import zmq
 
 from nanoserve.config import EngineOptions
 from nanoserve.engine.core_client.base import EngineCoreClient
+from nanoserve.engine.core_client.dispatch import OutputDispatch
+from nanoserve.engine.core_client.engine_input import EngineInput
 from nanoserve.engine.core_client.launch import (
     EngineManager,
     EngineZmqAddresses,
-    dead_error,
-    engine_identity,
     make_engine_manager,
     make_socket,
+    read_death_record,
     wait_for_engine_startup,
 )
+from nanoserve.engine.core_client.ledger import ReplayLedger
+from nanoserve.engine.core_client.liveness import EngineLiveness, Listener, RankState
+from nanoserve.engine.core_client.router import EngineRouter, RankDeath
+from nanoserve.engine.core_client.utilities import Future, UtilityCalls, fail_future
+from nanoserve.engine.core_client.watcher import RankWatcher
 from nanoserve.engine.exceptions import EngineDeadError
-from nanoserve.wire.codec import MsgpackDecoder, MsgpackEncoder
 from nanoserve.wire.messages import (
-    ENGINE_CORE_DEAD,
     EngineCoreOutputs,
     EngineCoreReadyResponse,
+    EngineCoreRequest,
     EngineCoreRequestType,
-    EngineDeathRecord,
-    UtilityOutput,
+    EngineCoreUtilityRequest,
 )
 
-logger = logging.getLogger(__name__)
+FutureT = TypeVar("FutureT", bound=Future)
 
-DEATH_RECORD_WAIT_S = 0.3
-"""How long the monitor waits for a crashed engine's death record before reporting without it."""
+
+class OutputReader(Protocol):
+    """Moves messages from the output socket to the dispatch, and what the dispatch (or a death)
+    produces to the frontend's queue."""
+
+    thread: threading.Thread | None
+    """The reader's own thread, if it has one."""
+
+    def open(self, ctx: zmq.Context, transport: str, host: str) -> tuple[str, str | None]:
+        """Bind the output PULL socket; returns its endpoint and ipc file."""
+        ...
+
+    def sync_view(self) -> zmq.Socket:
+        """A blocking view of the socket, for start-up (before `start`)."""
+        ...
+
+    def start(self, dispatch: Callable[[list], None], on_failure: Callable[[Exception], None]) -> None: ...
+
+    def deliver(self, item: EngineCoreOutputs) -> None:
+        """Queue outputs from the reader's own thread or loop (the dispatch)."""
+        ...
+
+    def put(self, item: EngineCoreOutputs | RankDeath | BaseException) -> None:
+        """Queue an item from any thread, after what is queued already."""
+        ...
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` where the client's futures may be completed (the loop of an asyncio client)."""
+        ...
+
+    def stop(self) -> None: ...
 
 
 @dataclass
@@ -69,37 +107,22 @@ class BackgroundResources:
     """Everything a client must release; used as its finalizer, so it never refers to the client."""
 
     ctx: zmq.Context
-    input_socket: zmq.Socket | None = None
-    output_socket: zmq.Socket | None = None
-    """None once the output reader owns it (the reader closes it)."""
+    liveness: EngineLiveness
+    reader: OutputReader
+    input: EngineInput | None = None
     engine_manager: EngineManager | None = None
     coordinator: BaseProcess | None = None
     """Data parallel: the process that publishes every rank's load to the frontends."""
     ipc_paths: list[str] = field(default_factory=list)
-    shutdown_path: str | None = None
-    """Sync client: inproc address of the output thread's shutdown PAIR socket."""
-    output_task: asyncio.Task | None = None
-    async_output_socket: Any = None
-    """Async client: the asyncio output socket, closed on its loop."""
-    loop: asyncio.AbstractEventLoop | None = None
-    on_dead: Callable[[EngineDeadError], None] | None = None
-    """Fails the pending futures and wakes the blocked getters of the owning client."""
-    engine_dead: bool = False
-    dead_error: EngineDeadError | None = None
-    death_record: EngineDeathRecord | None = None
-    """The last death record received, from any rank."""
-    ranks: list[int] = field(default_factory=lambda: [0])
-    dead_ranks: dict[int, EngineDeadError] = field(default_factory=dict)
-    """Only used with several ranks: the ranks that died while others live on."""
-    death_records: dict[int, EngineDeathRecord] = field(default_factory=dict)
-    on_rank_dead: Callable[[int, EngineDeadError], None] | None = None
-    """Data-parallel clients: fails the dead rank's requests and utility calls (any thread)."""
-    death_event: threading.Event = field(default_factory=threading.Event)
-    shutting_down: bool = False
-    closed: bool = False
     thread_idents: set[int] = field(default_factory=set)
-    """The reader and monitor threads (cleanup must not block on them from inside them)."""
+    """The client's threads (cleanup must not block on them from inside them)."""
+    closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def own(self, thread: threading.Thread) -> None:
+        """A started thread of the client (see `thread_idents`)."""
+        if thread.ident is not None:
+            self.thread_idents.add(thread.ident)
 
     def __call__(self) -> None:
         """Stop engines, stop the reader, close sockets, then terminate the context (in that order)."""
@@ -107,7 +130,6 @@ class BackgroundResources:
             if self.closed:
                 return
             self.closed = True
-            self.shutting_down = True
         if threading.get_ident() in self.thread_idents:
             # collected on one of our own threads: terminating the context there would wait for itself
             threading.Thread(target=self._release, name="EngineCoreClientCleanup", daemon=True).start()
@@ -115,238 +137,99 @@ class BackgroundResources:
         self._release()
 
     def _release(self) -> None:
+        self.liveness.begin_shutdown()
         if self.engine_manager is not None:
             self.engine_manager.shutdown()
         if self.coordinator is not None:
             from nanoserve.engine.core_client.coordinator import stop_coordinator
 
             stop_coordinator(self.coordinator)
-        if not self.engine_dead:
-            self.mark_dead(EngineDeadError("The engine core client has been shut down."), quiet=True)
-        self.stop_output_reader()
-        for sock in (self.input_socket, self.output_socket):
-            if sock is not None:
-                sock.close(linger=0)
-        self.input_socket = self.output_socket = None
+        self.liveness.end(EngineDeadError("The engine core client has been shut down."), shutting_down=True)
+        self.reader.stop()
+        if self.input is not None:
+            self.input.close()
         self.ctx.term()
         for path in self.ipc_paths:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
-    def _message_reader_stop(self) -> None:
-        try:
-            sock = self.ctx.socket(zmq.PAIR)
-        except zmq.ZMQError:
-            return  # the context is terminated: shutdown has already stopped the reader
-        try:
-            sock.connect(self.shutdown_path)
-            sock.send(b"", zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the reader has already ended
-        finally:
-            sock.close(linger=0)
 
-    def stop_output_reader(self) -> None:
-        """Sync: message the reader thread's PAIR socket. Async: cancel the task and close its socket
-        on the task's own loop (an asyncio socket must not be closed under a running loop's feet)."""
-        if self.shutdown_path is not None:
-            self._message_reader_stop()
-        if self.async_output_socket is None and self.output_task is None:
+def _on_rank_change(
+    reader: OutputReader, utilities: UtilityCalls, ledger: ReplayLedger, liveness: EngineLiveness
+) -> Listener:
+    """A liveness listener built from the client's parts (not the client: the finalizer must stay free)."""
+
+    def listener(rank: int, state: RankState, error: EngineDeadError | None, incarnation: int) -> None:
+        if state is RankState.ALIVE or error is None:
             return
-        task, loop, sock = self.output_task, self.loop, self.async_output_socket
-
-        def stop() -> None:
-            if task is not None and not task.done():
-                with contextlib.suppress(RuntimeError):  # its loop is closed: the task is gone with it
-                    task.cancel()
-            if sock is not None:
-                with contextlib.suppress(Exception):
-                    sock.close(linger=0)
-                if not sock.closed:  # its loop is gone and could not unregister it
-                    zmq.Socket.close(sock, linger=0)
-
-        if loop is not None and loop.is_running() and not _in_loop(loop):
-            done = threading.Event()
-            try:
-                loop.call_soon_threadsafe(lambda: (stop(), done.set()))
-                done.wait(1.0)
-            except RuntimeError:
-                stop()
+        reader.call(lambda: utilities.fail(error, rank, incarnation))
+        if state is RankState.RESTARTING:
+            return
+        with liveness.lock:
+            ledger.drop_rank(rank)
+        dead_error = liveness.dead_error
+        if dead_error is not None:
+            reader.call(lambda: utilities.fail(dead_error))
+            reader.put(dead_error)
         else:
-            stop()
-        self.async_output_socket = None
+            reader.put(RankDeath(rank, error))
 
-    def record_death(self, record: EngineDeathRecord) -> None:
-        self.death_records[record.engine_rank] = record
-        self.death_record = record
-
-    def validate_alive(self, frames: Sequence[Any]) -> bool:
-        """False for an ordinary message. The death frame raises `EngineDeadError` when it ends the
-        client; the death frame of one rank among several marks that rank and returns True (skip it)."""
-        if not (
-            len(frames) == 1
-            and len(frames[0]) == len(ENGINE_CORE_DEAD)
-            and _frame_bytes(frames[0]) == ENGINE_CORE_DEAD
-        ):
-            return False
-        # a PULL socket does not say which peer sent a frame: the dying rank's record came just before
-        record = self.death_record
-        if record is None and len(self.ranks) > 1:
-            return True  # cannot tell which rank: the monitor will see its process exit
-        rank = record.engine_rank if record is not None else self.ranks[0]
-        manager = self.engine_manager
-        exit_code = manager.exit_code(rank) if manager is not None else None
-        error = self.mark_rank_dead(rank, dead_error(rank, exit_code, self.death_records.get(rank, record)))
-        if self.engine_dead:
-            raise error
-        return True
-
-    def mark_rank_dead(self, rank: int, error: EngineDeadError) -> EngineDeadError:
-        """One rank is gone. With one rank that is the client's death; with several the others serve on
-        until the last one dies."""
-        if len(self.ranks) <= 1:
-            return self.mark_dead(error)
-        with self.lock:
-            known = self.dead_ranks.get(rank)
-            if known is not None:
-                if known.exit_code is None:
-                    known.exit_code = error.exit_code
-                return known
-            self.dead_ranks[rank] = error
-            all_dead = len(self.dead_ranks) == len(self.ranks)
-        if all_dead:
-            return self.mark_dead(error)
-        if not self.shutting_down:
-            logger.error("%s; the other engine ranks keep serving", error)
-        if self.on_rank_dead is not None:
-            self.on_rank_dead(rank, error)
-        return error
-
-    def mark_dead(self, error: EngineDeadError, quiet: bool = False) -> EngineDeadError:
-        """Record the first death; fail everything waiting on the engine. Returns the error in force."""
-        with self.lock:
-            if self.engine_dead:
-                if self.dead_error is not None and self.dead_error.exit_code is None:
-                    self.dead_error.exit_code = error.exit_code
-                return self.dead_error or error
-            self.engine_dead = True
-            self.dead_error = error
-        self.death_event.set()
-        if not quiet:
-            logger.error("%s", error)
-        if self.on_dead is not None:
-            self.on_dead(error)
-        return error
-
-
-def _frame_bytes(frame: Any) -> bytes:
-    return frame.bytes if isinstance(frame, zmq.Frame) else bytes(frame)
-
-
-def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
-
-
-def _monitor_engines(resources: BackgroundResources, manager: EngineManager) -> None:
-    """Wait for engines to end; unless we are shutting down, each end is a rank's death.
-    Returns once the client is dead (every rank gone) or shutting down."""
-    import multiprocessing.connection
-
-    sentinels = manager.sentinels()
-    while sentinels:
-        ready = multiprocessing.connection.wait(list(sentinels))
-        if resources.shutting_down:
-            return
-        for sentinel in ready:
-            rank = sentinels.pop(sentinel)
-            exit_code = manager.wait(rank, 1)
-            if exit_code is not None and exit_code > 0:
-                # a crash, not a kill: its death record may still be on its way through the output socket
-                _wait_for_death_record(resources, rank)
-            record = resources.death_records.get(rank) or manager.death_record(rank)
-            resources.mark_rank_dead(rank, dead_error(rank, exit_code, record))
-        if resources.engine_dead:
-            if not resources.shutting_down:
-                manager.shutdown()  # stop whatever is left
-                resources.stop_output_reader()
-            return
-
-
-def _wait_for_death_record(resources: BackgroundResources, rank: int) -> None:
-    if len(resources.ranks) <= 1:
-        if not resources.death_event.is_set():
-            resources.death_event.wait(DEATH_RECORD_WAIT_S)
-        return
-    deadline = time.monotonic() + DEATH_RECORD_WAIT_S
-    while rank not in resources.dead_ranks and not resources.engine_dead and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
-def _fail_future(future: Any, error: BaseException) -> None:
-    with contextlib.suppress(asyncio.InvalidStateError, concurrent.futures.InvalidStateError):
-        if not future.done():
-            future.set_exception(error)
+    return listener
 
 
 class MPClient(EngineCoreClient):
-    """Base of SyncMPClient and AsyncMPClient: sockets, launch, handshake, monitor, utility futures."""
+    """Composition and the calls both variants share; `SyncMPClient` and `AsyncMPClient` add their
+    reader and the blocking or awaitable surface."""
 
-    def __init__(self, options: EngineOptions) -> None:
+    def __init__(self, options: EngineOptions, reader: OutputReader, router: EngineRouter) -> None:
         self.options = options
-        self.encoder = MsgpackEncoder()
-        self.decoder = MsgpackDecoder(EngineCoreOutputs)
-        self.utility_results: dict[int, Any] = {}
-        self.pending_messages: collections.deque[tuple[zmq.MessageTracker, Any]] = collections.deque()
-        self._call_ids = itertools.count(1)
-        self.resources = BackgroundResources(ctx=zmq.Context())
-        self._finalizer = weakref.finalize(self, self.resources)
+        self.reader = reader
+        self.router = router
+        self.liveness = EngineLiveness(router.ranks, options.engine_restarts, options.engine_restart_window)
+        self.ledger = ReplayLedger(enabled=options.engine_restarts > 0)
+        self.utilities = UtilityCalls()
+        self.resources = resources = BackgroundResources(zmq.Context(), self.liveness, reader)
+        self._finalizer = weakref.finalize(self, resources)
         success = False
         try:
-            ctx = self.resources.ctx
-            manager = self.resources.engine_manager = make_engine_manager(options)
-            self.engine_host = host = manager.host
+            ctx = resources.ctx
+            manager = resources.engine_manager = make_engine_manager(options)
+            host = manager.host
             input_socket, input_address, input_path = make_socket(ctx, zmq.ROUTER, host.transport, host.bind)
-            self.resources.input_socket = input_socket
-            output_socket, output_address, output_path = make_socket(
-                self._output_context(ctx), zmq.PULL, host.transport, host.bind
+            self.input = resources.input = EngineInput(input_socket)
+            output_address, output_path = reader.open(ctx, host.transport, host.bind)
+            resources.ipc_paths = [p for p in (input_path, output_path) if p]
+            self.addresses = EngineZmqAddresses(host.endpoint(input_address), host.endpoint(output_address))
+            router.start(resources, host, self.addresses)
+            manager.start(self.addresses, router.ranks)
+            output_view = reader.sync_view()
+            ready = wait_for_engine_startup(
+                self.input,
+                manager,
+                dict.fromkeys(router.ranks, 0),
+                lambda rank: read_death_record(output_view),
             )
-            self._own_output_socket(output_socket)
-            self.resources.ipc_paths = [p for p in (input_path, output_path) if p]
-            self.input_socket = input_socket
-            self.addresses = addresses = EngineZmqAddresses(
-                host.endpoint(input_address), host.endpoint(output_address)
-            )
-            self.engine_ranks = self._engine_ranks(options)
-            self.core_engines = [engine_identity(rank) for rank in self.engine_ranks]
-            self.core_engine = self.core_engines[0]
-            self.resources.ranks = list(self.engine_ranks)
-            self._start_coordinator(addresses)
-            manager.start(addresses, self.engine_ranks)
-            sync_view = zmq.Socket.shadow(output_socket.underlying)
-            self._apply_ready_response(wait_for_engine_startup(input_socket, sync_view, manager))
-            self._start_output_reader()
-            self._start_engine_monitor()
+            self._apply_ready_response(ready)
+            self.liveness.add_listener(_on_rank_change(reader, self.utilities, self.ledger, self.liveness))
+            dispatch = OutputDispatch(self.liveness, self.ledger, self.utilities, manager, reader.deliver)
+            reader.start(dispatch, dispatch.socket_failed)
+            if reader.thread is not None:
+                resources.own(reader.thread)
+            for rank in router.ranks:
+                watcher = RankWatcher(rank, manager, self.liveness, self.ledger, self.utilities, self.input)
+                watcher.start()
+                resources.own(watcher.thread)
             success = True
         finally:
             if not success:
                 self._finalizer()
-
-    def _start_coordinator(self, addresses: EngineZmqAddresses) -> None:
-        """Data parallel with internal balancing starts its coordinator here, before the engines."""
-
-    def _engine_ranks(self, options: EngineOptions) -> list[int]:
-        """The ranks this client launches and talks to: one, its own rank behind an external balancer."""
-        return [options.data_parallel_rank or 0]
 
     def _apply_ready_response(self, responses: dict[int, EngineCoreReadyResponse]) -> None:
         """Keep what the engines computed; the user's options are left as given. Over several ranks the
         capacity is the sum of their KV blocks and running sequences, and the longest sequence is what every
         rank can hold."""
         self.ready_responses = responses
-        first = responses[self.engine_ranks[0]]
+        first = responses[self.router.ranks[0]]
         if len(responses) == 1:
             self.ready_response = first
             return
@@ -357,85 +240,111 @@ class MPClient(EngineCoreClient):
             max_model_len=min(r.max_model_len for r in responses.values()),
         )
 
-    def _output_context(self, ctx: zmq.Context) -> zmq.Context:
-        return ctx
+    # -- state ---------------------------------------------------------------------------------
 
-    def _own_output_socket(self, sock: zmq.Socket) -> None:
-        self.resources.output_socket = sock
-
-    def _start_output_reader(self) -> None:
-        raise NotImplementedError
-
-    def _start_engine_monitor(self) -> None:
-        thread = threading.Thread(
-            target=_monitor_engines,
-            args=(self.resources, self.resources.engine_manager),
-            name="EngineCoreMonitor",
-            daemon=True,
-        )
-        thread.start()
-        self.resources.thread_idents.add(thread.ident)
+    @property
+    def engine_ranks(self) -> list[int]:
+        return list(self.router.ranks)
 
     @property
     def engine_dead(self) -> bool:
-        return self.resources.engine_dead
+        return self.liveness.is_dead
+
+    @property
+    def dead_ranks(self) -> set[int]:
+        return set(self.liveness.dead_ranks())
+
+    @property
+    def live_ranks(self) -> list[int]:
+        return [rank for rank in self.router.ranks if self.liveness.state(rank) is not RankState.FINAL]
+
+    @property
+    def is_degraded(self) -> bool:
+        """Some ranks are dead for good, others still serve."""
+        return bool(self.liveness.dead_ranks()) and not self.liveness.is_dead
 
     def engine_pids(self) -> list[int]:
         manager = self.resources.engine_manager
         return manager.pids() if manager is not None else []
 
     def ensure_alive(self) -> None:
-        if self.resources.engine_dead:
-            raise self.resources.dead_error or EngineDeadError()
+        if self.liveness.is_dead:
+            raise self.liveness.dead_error or EngineDeadError()
+
+    def _ensure_open(self) -> None:
+        """After shutdown nothing more is delivered (before it, the outputs received before a death are)."""
+        if self.resources.closed:
+            raise self.liveness.dead_error or EngineDeadError("The engine core client has been shut down.")
 
     def shutdown(self) -> None:
         """Stop the engines and free every resource; idempotent, bounded by the engines' drain time."""
         self._finalizer()
 
-    def _encode_input(
-        self, request_type: EngineCoreRequestType, payload: Any, engine: bytes | None = None
-    ) -> tuple[list, bool]:
-        frames = self.encoder.encode(payload)
-        return [engine or self.core_engine, request_type.value, *frames], len(frames) > 1
+    # -- the calls both variants share ----------------------------------------------------------
 
-    def _send_frames(self, msg: list, has_buffers: bool) -> None:
-        """Send one message; one with out-of-band buffers is tracked frame by frame and kept in
-        `pending_messages` until ZMQ is done with every frame, so the tensors behind it stay alive."""
-        sock = self.input_socket
-        if not has_buffers:
-            sock.send_multipart(msg, copy=False)
+    def _send(self, rank: int, request_type: EngineCoreRequestType, payload: Any) -> None:
+        try:
+            self.input.send(rank, request_type, payload)
+        except zmq.ZMQError as e:
+            self.ensure_alive()
+            raise EngineDeadError(f"Could not send to the engine core: {e}") from e
+
+    def _add(self, request: EngineCoreRequest) -> None:
+        """To a live rank now; to a restarting one with its replay."""
+        self.ensure_alive()
+        with self.liveness.lock:
+            rank = self.router.choose(request, self.liveness)
+            state = self.liveness.state(rank)
+            if state is RankState.FINAL:
+                raise self.liveness.error(rank) or EngineDeadError()
+            self.ledger.add(rank, request)
+            if state is RankState.ALIVE:
+                self._send(rank, EngineCoreRequestType.ADD, request)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        if not request_ids or self.liveness.is_dead:
             return
-        trackers = [sock.send(part, zmq.SNDMORE, copy=False, track=True) for part in msg[:-1]]
-        trackers.append(sock.send(msg[-1], copy=False, track=True))
-        pending = self.pending_messages
-        while pending and pending[0][0].done:
-            pending.popleft()
-        tracker = zmq.MessageTracker(*trackers)
-        if not tracker.done:
-            pending.append((tracker, msg))
+        with self.liveness.lock:
+            self.ledger.discard(request_ids)
+            for rank, ids in self.router.owners(request_ids).items():
+                state = self.liveness.state(rank)
+                if state is RankState.ALIVE:
+                    self._send(rank, EngineCoreRequestType.ABORT, ids)
+                elif state is RankState.RESTARTING:
+                    self.router.released(ids)  # the engine never hears of them again
 
-    def _next_call_id(self) -> int:
-        return next(self._call_ids)
+    def _start_utility(
+        self, method: str, args: tuple, make_future: Callable[[], FutureT]
+    ) -> list[tuple[int, int, FutureT]]:
+        """Register and send one call per target rank: (rank, call id, future) each. A rank that is
+        restarting gets its call once it is back."""
+        self.ensure_alive()
+        calls: list[tuple[int, int, FutureT]] = []
+        try:
+            with self.liveness.lock:
+                for rank in self.router.utility_targets(method, self.liveness):
+                    future = make_future()
+                    state = self.liveness.state(rank)
+                    call_id = self.utilities.register(rank, self.liveness.incarnation(rank), future)
+                    calls.append((rank, call_id, future))
+                    request = EngineCoreUtilityRequest(call_id, method, args)
+                    if state is RankState.ALIVE:
+                        self._send(rank, EngineCoreRequestType.UTILITY, request)
+                    elif state is RankState.RESTARTING:
+                        self.ledger.hold_utility(rank, request)
+                    else:
+                        fail_future(future, self.liveness.error(rank) or EngineDeadError())
+        except BaseException:
+            self.utilities.discard([call_id for _, call_id, _ in calls])
+            raise
+        return calls
 
-
-def process_utility_output(output: UtilityOutput, utility_results: dict[int, Any]) -> None:
-    """Resolve the future waiting for this call; a caller that already gave up is fine."""
-    future = utility_results.pop(output.call_id, None)
-    if future is None:
-        return
-    try:
-        if output.failure_message is not None:
-            future.set_exception(RuntimeError(output.failure_message))
-        else:
-            future.set_result(output.result)
-    except (asyncio.InvalidStateError, concurrent.futures.InvalidStateError):
-        # the caller cancelled it; a failure is still worth a line in the log
-        if output.failure_message is not None:
-            logger.info("cancelled utility call %d failed: %s", output.call_id, output.failure_message)
-
-
-def fail_sync_futures(utility_results: dict[int, concurrent.futures.Future], error: BaseException) -> None:
-    for call_id in list(utility_results):
-        future = utility_results.pop(call_id, None)
-        if future is not None:
-            _fail_future(future, error)
+    def _finish_utility(self, method: str, args: tuple, results: dict[int, Any]) -> Any:
+        """One answer from every rank's; a restarted rank is put back in the sleep level noted here."""
+        if method in ("sleep", "wake_up"):
+            asked = (args[0] if args else 1) if method == "sleep" else 0
+            with self.liveness.lock:
+                for rank in results:  # sleeping deeper only: an engine at level 2 stays there on sleep(1)
+                    level = max(asked, self.ledger.sleep_levels.get(rank, 0)) if asked else 0
+                    self.ledger.note_sleep(rank, level)
+        return self.router.combine(method, results)

@@ -11,9 +11,10 @@ comes through the ZMQ handshake.
 
 Liveness comes from Ray: a watcher thread waits on every actor's `run()` result. When one resolves (run
 returned an exit code, or Ray raised an actor error: killed, crashed, node lost) the rank's sentinel, a
-pipe, turns readable, which is what the client's monitor and start-up wait poll for processes too;
-Ray's error becomes the rank's death record. If the frontend dies, Ray ends its actors with it (an
-actor's lifetime is its owner's).
+pipe, turns readable, which is what the client's rank watchers and start-up wait poll for processes
+too; Ray's error becomes the rank's death record. If the frontend dies, Ray ends its actors with it (an
+actor's lifetime is its owner's). A restart (`engine_restarts`) creates a new actor for the rank in the
+same placement group, as the rank's next incarnation, with a new sentinel.
 
 Shutdown: ranks on this machine get SIGTERM, the same request a child process gets (the engine drains
 for `shutdown_timeout` seconds and run() returns 0); anything left after the grace period, and every
@@ -41,10 +42,10 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from multiprocessing.connection import Connection
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanoserve.config import EngineOptions
 from nanoserve.engine.core_client.launch import (
@@ -53,7 +54,11 @@ from nanoserve.engine.core_client.launch import (
     SocketHost,
     available_cpus,
 )
+from nanoserve.engine.exceptions import EngineDeadError
 from nanoserve.wire.messages import EngineDeathRecord
+
+if TYPE_CHECKING:
+    from nanoserve.core.engine_core_proc import EngineCoreProcArgs
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +120,7 @@ _SESSION = _RaySession()
 
 
 @contextlib.contextmanager
-def _sigterm_handler_kept() -> Iterator[None]:
+def _sigterm_handler_kept() -> Generator[None]:
     """ray.init makes SIGTERM exit the driver at once; the frontend keeps its own handling (the server
     drains in-flight requests and exits 0)."""
     if threading.current_thread() is not threading.main_thread():
@@ -144,15 +149,8 @@ def _summary(error: BaseException) -> str:
 class EngineCoreActor:
     """One engine-core rank inside a Ray actor; `run` is its whole working life."""
 
-    def __init__(
-        self,
-        options: EngineOptions,
-        engine_rank: int,
-        input_address: str,
-        output_address: str,
-        stats_address: str | None,
-    ) -> None:
-        self.args = (options, engine_rank, input_address, output_address, stats_address)
+    def __init__(self, args: EngineCoreProcArgs) -> None:
+        self.args = args
 
     def where(self) -> tuple[int, str, str]:
         """(pid, node IP, node id): lets the frontend signal a rank that runs on its own machine."""
@@ -161,30 +159,42 @@ class EngineCoreActor:
 
     def run(self) -> int:
         """Serve until SIGTERM (0) or a failure (1, after sending the death record to the frontend)."""
-        from nanoserve.core.engine_core_proc import _setup_logging, serve_engine_core
+        from nanoserve.core.bootstrap import serve_engine_core, setup_logging
 
-        _setup_logging(self.args[1])
+        setup_logging(self.args.engine_rank)
         return serve_engine_core(self.args, (signal.SIGTERM,))
 
 
+@dataclasses.dataclass
+class _RankActor:
+    """One incarnation of a rank: its actor, and how the frontend learns that it ended."""
+
+    actor: Any
+    incarnation: int
+    where_ref: Any
+    run_ref: Any
+    read_end: Connection
+    """The rank's sentinel while this incarnation is current."""
+    write_end: Connection
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    result: tuple[int | None, EngineDeathRecord | None] | None = None
+    """(exit code, Ray's account of the end) once it has ended."""
+
+
 class RayEngineManager:
-    """The engine-core actors of one client: place, start, watch, stop (see the module docstring)."""
+    """The engine-core actors of one client: place, start, restart, watch, stop (see the module docstring)."""
 
     start_phase = "waiting for Ray to place it"
 
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
-        self.actors: dict[int, Any] = {}
-        self._placement_groups: list[Any] = []
-        self._run_refs: dict[int, Any] = {}
-        self._where_refs: dict[int, Any] = {}
-        self._results: dict[int, tuple[int | None, EngineDeathRecord | None]] = {}
-        self._done: dict[int, threading.Event] = {}
-        self._pipes: dict[int, tuple[Connection, Connection]] = {}
-        """rank -> (read end: its sentinel, write end: written once when the rank ends)."""
+        self._ranks: dict[int, _RankActor] = {}
+        self._placement_groups: dict[int, Any] = {}
+        self._addresses: EngineZmqAddresses | None = None
         self._watcher: threading.Thread | None = None
         self._stopping = threading.Event()
         self._lock = threading.Lock()
+        """Guards `ranks` against the watcher, and restarts against shutdown."""
         self._closed = False
         started_here = _SESSION.join(options.ray_address)
         try:
@@ -198,67 +208,101 @@ class RayEngineManager:
             raise
 
     @property
-    def ranks(self) -> list[int]:
-        return list(self.actors)
+    def actors(self) -> dict[int, Any]:
+        return {rank: ranked.actor for rank, ranked in self._ranks.items()}
 
     def start(self, addresses: EngineZmqAddresses, ranks: list[int]) -> None:
-        ray = import_ray()
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self._addresses = addresses
         cpus = self.options.num_threads or 1
-        per_rank = dataclasses.replace(self.options, num_threads=cpus)
-        actor_class = ray.remote(EngineCoreActor)
         for rank in ranks:
-            group = placement_group([{"CPU": cpus}])
-            self._placement_groups.append(group)
-            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-            pipe = multiprocessing.Pipe(duplex=False)
-            actor = actor_class.options(num_cpus=cpus, scheduling_strategy=strategy).remote(
-                per_rank, rank, addresses.input, addresses.output, addresses.stats
-            )
-            self.actors[rank], self._done[rank], self._pipes[rank] = actor, threading.Event(), pipe
-            self._where_refs[rank] = actor.where.remote()  # an actor runs its calls in order: before run
-            self._run_refs[rank] = actor.run.remote()
+            self._placement_groups[rank] = placement_group([{"CPU": cpus}])
+            self._launch(rank, 0)
         self._watcher = threading.Thread(target=self._watch, name="RayEngineWatcher", daemon=True)
         self._watcher.start()
 
+    def restart(self, rank: int, incarnation: int) -> None:
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError("The engine core client is shutting down.")
+            old = self._ranks[rank]
+            with contextlib.suppress(Exception):
+                import_ray().kill(old.actor, no_restart=True)
+            old.read_end.close()
+            old.write_end.close()
+            self._launch(rank, incarnation)
+
+    def _launch(self, rank: int, incarnation: int) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from nanoserve.core.engine_core_proc import EngineCoreProcArgs
+
+        ray, addresses = import_ray(), self._addresses
+        assert addresses is not None
+        cpus = self.options.num_threads or 1
+        per_rank = dataclasses.replace(self.options, num_threads=cpus)
+        args = EngineCoreProcArgs(
+            per_rank, rank, addresses.input, addresses.output, addresses.stats, incarnation
+        )
+        strategy = PlacementGroupSchedulingStrategy(
+            self._placement_groups[rank], placement_group_bundle_index=0
+        )
+        actor = ray.remote(EngineCoreActor).options(num_cpus=cpus, scheduling_strategy=strategy).remote(args)
+        read_end, write_end = multiprocessing.Pipe(duplex=False)
+        where_ref = actor.where.remote()  # an actor runs its calls in order: before run
+        self._ranks[rank] = _RankActor(actor, incarnation, where_ref, actor.run.remote(), read_end, write_end)
+
     def _watch(self) -> None:
         ray = import_ray()
-        pending = {ref: rank for rank, ref in self._run_refs.items()}
         try:
-            while pending and not self._stopping.is_set():
+            while not self._stopping.is_set():
+                with self._lock:
+                    pending = {r.run_ref: (rank, r) for rank, r in self._ranks.items() if not r.done.is_set()}
+                if not pending:
+                    self._stopping.wait(WATCH_INTERVAL_S)
+                    continue
                 done, _ = ray.wait(list(pending), num_returns=1, timeout=WATCH_INTERVAL_S)
                 for ref in done:
-                    rank = pending.pop(ref)
+                    rank, ranked = pending[ref]
                     try:
-                        self._settle(rank, ray.get(ref), None)
+                        self._settle(ranked, ray.get(ref), None)
                     except Exception as e:  # killed, crashed, its node lost, or run() itself failed
-                        self._settle(rank, None, EngineDeathRecord(rank, type(e).__name__, _summary(e), ""))
+                        self._settle(ranked, None, EngineDeathRecord(rank, type(e).__name__, _summary(e), ""))
         except Exception as e:  # this process lost Ray (ray.shutdown elsewhere): its actors went with it
-            for rank in pending.values():
-                self._settle(rank, None, EngineDeathRecord(rank, type(e).__name__, f"lost Ray: {e}", ""))
+            with self._lock:
+                left = [(rank, r) for rank, r in self._ranks.items() if not r.done.is_set()]
+            for rank, ranked in left:
+                self._settle(ranked, None, EngineDeathRecord(rank, type(e).__name__, f"lost Ray: {e}", ""))
 
-    def _settle(self, rank: int, exit_code: int | None, record: EngineDeathRecord | None) -> None:
-        self._results[rank] = (exit_code, record)
-        self._done[rank].set()
-        self._pipes[rank][1].send_bytes(b"")
+    def _settle(self, ranked: _RankActor, exit_code: int | None, record: EngineDeathRecord | None) -> None:
+        with self._lock:
+            ranked.result = (exit_code, record)
+            ranked.done.set()
+            if not ranked.write_end.closed:  # closed: replaced by a restart already
+                ranked.write_end.send_bytes(b"")
 
-    def sentinels(self) -> dict[int, int]:
-        return {read_end.fileno(): rank for rank, (read_end, _) in self._pipes.items()}
+    def kill(self, rank: int) -> None:
+        with contextlib.suppress(Exception):
+            import_ray().kill(self._ranks[rank].actor, no_restart=True)
+
+    def sentinel(self, rank: int) -> int:
+        return self._ranks[rank].read_end.fileno()
+
+    def ended(self, rank: int) -> bool:
+        return self._ranks[rank].done.is_set()
 
     def exit_code(self, rank: int) -> int | None:
-        return self._results.get(rank, (None, None))[0]
+        result = self._ranks[rank].result
+        return None if result is None else result[0]
 
     def wait(self, rank: int, timeout: float) -> int | None:
-        self._done[rank].wait(timeout)
+        self._ranks[rank].done.wait(timeout)
         return self.exit_code(rank)
 
-    def finished(self) -> dict[int, int | None]:
-        return {rank: code for rank, (code, _) in list(self._results.items())}
-
     def death_record(self, rank: int) -> EngineDeathRecord | None:
-        return self._results.get(rank, (None, None))[1]
+        result = self._ranks[rank].result
+        return None if result is None else result[1]
 
     def pids(self) -> list[int]:
         """Empty: the engines are processes of Ray's nodes, perhaps on other machines."""
@@ -267,8 +311,8 @@ class RayEngineManager:
     def node_ids(self, timeout: float = 10.0) -> dict[int, str]:
         """The Ray node each rank's actor runs on."""
         ray = import_ray()
-        ranks = list(self._where_refs)
-        locations = ray.get([self._where_refs[rank] for rank in ranks], timeout=timeout)
+        ranks = list(self._ranks)
+        locations = ray.get([self._ranks[rank].where_ref for rank in ranks], timeout=timeout)
         return {rank: node_id for rank, (_, _, node_id) in zip(ranks, locations, strict=True)}
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -287,34 +331,38 @@ class RayEngineManager:
             self._stopping.set()
             if self._watcher is not None and self._watcher is not threading.current_thread():
                 self._watcher.join(WATCH_INTERVAL_S * 5)
+            with self._lock:  # whoever still waits on a sentinel wakes (at EOF) and sees the shutdown
+                for ranked in self._ranks.values():
+                    ranked.write_end.close()
             _SESSION.leave()
 
     def _stop_actors(self, timeout: float) -> None:
         ray = import_ray()
         from ray.util.placement_group import remove_placement_group
 
-        signalled = [rank for rank in self.actors if self._request_stop(rank)]
+        signalled = [rank for rank in self._ranks if self._request_stop(rank)]
         deadline = time.monotonic() + timeout
         for rank in signalled:
-            if not self._done[rank].wait(max(0.0, deadline - time.monotonic())):
+            if not self._ranks[rank].done.wait(max(0.0, deadline - time.monotonic())):
                 logger.warning("engine core %d did not stop within %.1f s; killing it", rank, timeout)
-        for actor in self.actors.values():
+        for ranked in self._ranks.values():
             with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
+                ray.kill(ranked.actor, no_restart=True)
         deadline = time.monotonic() + KILL_WAIT_S
-        for done in self._done.values():  # the watcher sees each killed actor's run() fail
-            done.wait(max(0.0, deadline - time.monotonic()))
-        for group in self._placement_groups:
+        for ranked in self._ranks.values():  # the watcher sees each killed actor's run() fail
+            ranked.done.wait(max(0.0, deadline - time.monotonic()))
+        for group in self._placement_groups.values():
             with contextlib.suppress(Exception):
                 remove_placement_group(group)
 
     def _request_stop(self, rank: int) -> bool:
         """SIGTERM a running rank on this machine (pids mean nothing elsewhere); True if sent."""
-        if self._done[rank].is_set():
+        ranked = self._ranks[rank]
+        if ranked.done.is_set():
             return False
         ray = import_ray()
         try:
-            ready, _ = ray.wait([self._where_refs[rank]], timeout=0)
+            ready, _ = ray.wait([ranked.where_ref], timeout=0)
             if not ready:
                 return False  # not even started
             pid, node_ip, _ = ray.get(ready[0])

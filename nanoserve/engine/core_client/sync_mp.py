@@ -1,158 +1,153 @@
 """SyncMPClient: the multiprocess client for synchronous frontends (LLM, LLMEngine).
 
-A daemon thread owns the output PULL socket: it polls it together with an inproc PAIR shutdown socket,
-checks each message for the death frame, decodes it, resolves utility futures and puts everything else
-on a `queue.Queue` that `get_output()` blocks on. Any error in the thread, and any engine death, is put
-on the queue too, so a caller blocked in `get_output()` always wakes.
+Its transport (`ThreadOutputReader`): a daemon thread owns the output PULL socket and polls it
+together with an inproc PAIR socket that stops it; each message goes to the shared dispatch, and what
+it passes on lands in a `queue.Queue` that `get_output()` blocks on. A death is queued after the
+outputs received before it, so a caller reads those first and then gets the `EngineDeadError`; every
+later or concurrent caller gets it too.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
 from nanoserve.config import EngineOptions
-from nanoserve.engine.core_client.mp import (
-    BackgroundResources,
-    MPClient,
-    fail_sync_futures,
-    process_utility_output,
-)
-from nanoserve.engine.exceptions import EngineDeadError
-from nanoserve.wire.codec import MsgpackDecoder
-from nanoserve.wire.messages import (
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    EngineCoreRequestType,
-    EngineCoreUtilityRequest,
-)
+from nanoserve.engine.core_client.launch import make_socket
+from nanoserve.engine.core_client.mp import MPClient
+from nanoserve.engine.core_client.router import EngineRouter, RankDeath, SingleRankRouter
+from nanoserve.wire.messages import EngineCoreOutputs, EngineCoreRequest
 
 
-class SyncMPClient(MPClient):
-    def __init__(self, options: EngineOptions) -> None:
-        self.outputs_queue: queue.Queue[EngineCoreOutputs | BaseException] = queue.Queue()
-        self._send_lock = threading.Lock()
-        super().__init__(options)
+class ThreadOutputReader:
+    def __init__(self) -> None:
+        self.queue: queue.Queue[EngineCoreOutputs | RankDeath | BaseException] = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self._socket: zmq.Socket | None = None
+        self._ctx: zmq.Context | None = None
+        self._stop_address = f"inproc://nanoserve-output-stop-{uuid.uuid4().hex}"
 
-    def _start_output_reader(self) -> None:
-        resources = self.resources
-        outputs_queue, utility_results = self.outputs_queue, self.utility_results
+    def open(self, ctx: zmq.Context, transport: str, host: str) -> tuple[str, str | None]:
+        self._ctx = ctx
+        self._socket, endpoint, path = make_socket(ctx, zmq.PULL, transport, host)
+        return endpoint, path
 
-        def on_dead(error: EngineDeadError) -> None:
-            fail_sync_futures(utility_results, error)
-            outputs_queue.put_nowait(error)
+    def sync_view(self) -> zmq.Socket:
+        assert self._socket is not None
+        return self._socket
 
-        resources.on_dead = on_dead
-        resources.shutdown_path = f"inproc://nanoserve-output-shutdown-{uuid.uuid4().hex}"
-        shutdown_socket = resources.ctx.socket(zmq.PAIR)
-        shutdown_socket.setsockopt(zmq.LINGER, 0)
-        shutdown_socket.bind(resources.shutdown_path)
-        thread = threading.Thread(
-            target=_process_outputs_socket,
-            args=(
-                resources,
-                resources.output_socket,
-                shutdown_socket,
-                self.decoder,
-                outputs_queue,
-                utility_results,
-            ),
+    def start(self, dispatch: Callable[[list], None], on_failure: Callable[[Exception], None]) -> None:
+        assert self._ctx is not None and self._socket is not None
+        stop = self._ctx.socket(zmq.PAIR)
+        stop.setsockopt(zmq.LINGER, 0)
+        stop.bind(self._stop_address)
+        self.thread = threading.Thread(
+            target=_read_outputs,
+            args=(self._socket, stop, dispatch, on_failure),
             name="EngineCoreOutputThread",
             daemon=True,
         )
-        thread.start()
-        resources.thread_idents.add(thread.ident)
-        # the thread owns (and closes) both sockets from here on
-        resources.output_socket = None
+        self.thread.start()
+        self._socket = None  # the thread owns (and closes) both sockets from here on
 
-    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        if self.resources.engine_dead:
-            raise self.resources.dead_error or EngineDeadError()
+    def deliver(self, item: EngineCoreOutputs) -> None:
+        self.queue.put_nowait(item)
+
+    def put(self, item: EngineCoreOutputs | RankDeath | BaseException) -> None:
+        self.queue.put_nowait(item)
+
+    def call(self, fn: Callable[[], None]) -> None:
+        fn()
+
+    def get(self, timeout: float | None) -> EngineCoreOutputs | RankDeath:
         try:
-            outputs = self.outputs_queue.get(timeout=timeout)
+            item = self.queue.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"No engine core output within {timeout} s.") from None
-        if isinstance(outputs, BaseException):
-            self.outputs_queue.put_nowait(outputs)  # wake the next blocked caller too
-            raise outputs
-        return outputs
+        if isinstance(item, BaseException):
+            self.queue.put_nowait(item)  # wake the next blocked caller too
+            raise item
+        return item
 
-    def _send_input(
-        self, request_type: EngineCoreRequestType, payload: Any, engine: bytes | None = None
-    ) -> None:
-        self.ensure_alive()
-        msg, has_buffers = self._encode_input(request_type, payload, engine)
-        with self._send_lock:
-            self.ensure_alive()
-            try:
-                self._send_frames(msg, has_buffers)
-            except zmq.ZMQError as e:
-                self.ensure_alive()
-                raise EngineDeadError(f"Could not send to the engine core: {e}") from e
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self._send_input(EngineCoreRequestType.ADD, request)
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and not self.resources.engine_dead:
-            self._send_input(EngineCoreRequestType.ABORT, list(request_ids))
-
-    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        call_id = self._next_call_id()
-        future: Future = Future()
-        self.utility_results[call_id] = future
+    def stop(self) -> None:
+        if self._socket is not None:  # never started: the socket is still ours
+            self._socket.close(linger=0)
+            self._socket = None
+        if self.thread is None or self._ctx is None:
+            return
         try:
-            # registered before the liveness check: a death after it fails this future too
-            self._send_input(EngineCoreRequestType.UTILITY, EngineCoreUtilityRequest(call_id, method, args))
-            return future.result(timeout=timeout)
-        except FutureTimeoutError:
-            raise TimeoutError(f"Utility call {method!r} got no answer within {timeout} s.") from None
+            sock = self._ctx.socket(zmq.PAIR)
+        except zmq.ZMQError:
+            return  # the context is terminated: the reader has stopped already
+        try:
+            sock.connect(self._stop_address)
+            sock.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the reader has already ended
         finally:
-            self.utility_results.pop(call_id, None)
+            sock.close(linger=0)
 
 
-def _process_outputs_socket(
-    resources: BackgroundResources,
-    out_socket: zmq.Socket,
-    shutdown_socket: zmq.Socket,
-    decoder: MsgpackDecoder,
-    outputs_queue: queue.Queue,
-    utility_results: dict[int, Future],
+def _read_outputs(
+    sock: zmq.Socket,
+    stop: zmq.Socket,
+    dispatch: Callable[[list], None],
+    on_failure: Callable[[Exception], None],
 ) -> None:
     poller = zmq.Poller()
-    poller.register(shutdown_socket, zmq.POLLIN)
-    poller.register(out_socket, zmq.POLLIN)
+    poller.register(stop, zmq.POLLIN)
+    poller.register(sock, zmq.POLLIN)
     try:
         while True:
             events = dict(poller.poll())
-            if shutdown_socket in events:
+            if stop in events:
                 return
             # drain what is there before polling again: one poll per burst, not per message
-            while out_socket.get(zmq.EVENTS) & zmq.POLLIN:
-                frames = out_socket.recv_multipart(copy=False)
-                if resources.validate_alive(frames):
-                    continue
-                outputs: EngineCoreOutputs = decoder.decode(frames)
-                if outputs.utility_output is not None:
-                    process_utility_output(outputs.utility_output, utility_results)
-                elif outputs.death is not None:
-                    resources.record_death(outputs.death)
-                else:
-                    outputs_queue.put_nowait(outputs)
-    except EngineDeadError:
-        return  # validate_alive has marked the death and woken everyone
+            while cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
+                dispatch(sock.recv_multipart(copy=False))
     except Exception as e:
-        if not resources.shutting_down:
-            error = EngineDeadError(f"The engine core output socket failed: {type(e).__name__}: {e}")
-            error.__cause__ = e
-            resources.mark_dead(error)
-        outputs_queue.put_nowait(e if resources.dead_error is None else resources.dead_error)
+        on_failure(e)
     finally:
-        shutdown_socket.close(linger=0)
-        out_socket.close(linger=0)
+        stop.close(linger=0)
+        sock.close(linger=0)
+
+
+class SyncMPClient(MPClient):
+    reader: ThreadOutputReader
+
+    def __init__(self, options: EngineOptions, router: EngineRouter | None = None) -> None:
+        super().__init__(
+            options, ThreadOutputReader(), router or SingleRankRouter(options.data_parallel_rank or 0)
+        )
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        self._ensure_open()
+        return self.router.consume(self.reader.get(timeout))
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._add(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._abort(request_ids)
+
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        calls = self._start_utility(method, args, Future)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            results = {}
+            for rank, _, future in calls:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                results[rank] = future.result(timeout=remaining)
+        except FutureTimeoutError:
+            raise TimeoutError(f"Utility call {method!r} got no answer within {timeout} s.") from None
+        finally:
+            self.utilities.discard([call_id for _, call_id, _ in calls])
+        return self._finish_utility(method, args, results)

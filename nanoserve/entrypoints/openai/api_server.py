@@ -13,9 +13,11 @@ and the last resort that turns an exception no handler took into a 500 without b
 Lifecycle: the engine is built before the server listens. SIGTERM (or SIGINT) stops accepting, lets
 in-flight requests finish for the grace period, shuts the engine down and exits 0. When the engine
 dies, open streams end with an error event, new requests get 503, /health says 503, and the process
-exits 1 (so a supervisor restarts it) unless told to stay up. With data parallel, a rank's death fails
-only its requests: /health stays 200 with a body saying "degraded" and naming the dead ranks, until
-the last rank dies.
+exits 1 (so a supervisor restarts it) unless told to stay up. With --engine-restarts the engine core
+is restarted instead, while the budget lasts: streams pause and go on, /health answers 200 with
+{"status": "restarting"} meanwhile, and /metrics counts restarts by rank. With data parallel, a rank's
+death fails only its requests: /health stays 200 with a body saying "degraded" and naming the dead
+ranks, until the last rank dies.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import signal
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 import nanoserve
+from nanoserve import envs
 from nanoserve.config import EngineOptions
 from nanoserve.engine.async_llm import AsyncLLM
 from nanoserve.engine.exceptions import EngineStartupError
@@ -55,7 +57,9 @@ from nanoserve.tool_parsers import PARSERS, get_parser
 
 logger = logging.getLogger("nanoserve.server")
 
-API_KEY_ENV = "NANOSERVE_API_KEY"
+STREAM_ERRORS_GRACE_S = 0.5
+"""After the engine's final death, how long open streams get to send their error events before the
+server stops."""
 
 
 @dataclass
@@ -213,6 +217,7 @@ async def _serve(engine_options: EngineOptions, options: ServerOptions) -> int:
         stat_logger = PrometheusStatLogger(
             options.served_model_name or engine.model_name, options.metrics_prefix
         )
+        stat_logger.count_engine_restarts(lambda: engine.engine_restarts)
         engine.stat_loggers.append(stat_logger)
         app = build_app(engine, options, stat_logger)
         config = uvicorn.Config(
@@ -247,12 +252,13 @@ async def _serve(engine_options: EngineOptions, options: ServerOptions) -> int:
 
 
 async def _watch_engine(engine: AsyncLLM, server: uvicorn.Server, options: ServerOptions) -> bool:
-    """Wait for engine death; stop the server (returning True) unless it is shutting down or told to stay up."""
-    await engine.dead_event.wait()
-    if server.should_exit or not options.exit_on_engine_death:
+    """Wait for the engine's final death (a restart is not one); stop the server (returning True)
+    unless it is shutting down or told to stay up."""
+    await engine.wait_for_death()
+    if not engine.errored or server.should_exit or not options.exit_on_engine_death:
         return False
     logger.error("the engine core died; stopping the server (pass --no-exit-on-engine-death to stay up)")
-    await asyncio.sleep(0.5)  # open streams send their error events first
+    await asyncio.sleep(STREAM_ERRORS_GRACE_S)
     server.should_exit = True
     return True
 
@@ -260,6 +266,6 @@ async def _watch_engine(engine: AsyncLLM, server: uvicorn.Server, options: Serve
 def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
     fields = {f.name for f in dataclasses.fields(ServerOptions)}
     kwargs = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
-    if kwargs.get("api_key") is None and os.environ.get(API_KEY_ENV):
-        kwargs["api_key"] = os.environ[API_KEY_ENV]
+    if kwargs.get("api_key") is None:
+        kwargs["api_key"] = envs.api_key()
     return ServerOptions(**kwargs)

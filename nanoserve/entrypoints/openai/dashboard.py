@@ -89,7 +89,13 @@ class DashboardStatLogger:
         dead = engine.dead_ranks
         return {
             "max_model_len": engine.max_model_len,
-            "status": "dead" if engine.errored else "degraded" if dead else "serving",
+            "status": "dead"
+            if engine.errored
+            else "restarting"
+            if engine.restarting_ranks
+            else "degraded"
+            if dead
+            else "serving",
             "error": str(engine.dead_error) if engine.dead_error is not None else None,
             "num_running": sum(s.num_running_reqs for s in alive),
             "num_waiting": sum(s.num_waiting_reqs for s in alive),
@@ -122,12 +128,15 @@ class DashboardStatLogger:
 
 
 def rank_states(engine: AsyncLLM) -> dict[int, str]:
-    """Each engine rank this frontend serves -> its state: "alive" or "dead" (a string the page shows as
-    given, so new states need no change there)."""
+    """Each engine rank this frontend serves -> its state: "alive", "restarting" or "dead" (a string the
+    page shows as given, so new states need no change there)."""
     options = engine.options
     if options.data_parallel_external_lb and options.data_parallel_rank is not None:
         ranks = [options.data_parallel_rank]
     else:
         ranks = list(range(options.data_parallel_size))
-    dead = engine.dead_ranks
-    return {rank: "dead" if engine.errored or rank in dead else "alive" for rank in ranks}
+    dead, restarting = engine.dead_ranks, engine.restarting_ranks
+    return {
+        rank: "dead" if engine.errored or rank in dead else "restarting" if rank in restarting else "alive"
+        for rank in ranks
+    }

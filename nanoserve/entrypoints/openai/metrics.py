@@ -9,7 +9,7 @@ latest scheduler stats and what each batch of outputs did. It owns its registry,
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
@@ -21,6 +21,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from nanoserve.engine.async_llm import IterationStats
 from nanoserve.wire.messages import SchedulerStats
@@ -49,6 +51,7 @@ class PrometheusStatLogger:
         check_metrics_prefix(prefix)
         disable_created_metrics()  # no `_created` series: they double the output and nobody plots them
         self.registry = CollectorRegistry()
+        self.prefix, self.model_name = prefix, model_name
         labels = {"model_name": model_name}
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -150,6 +153,8 @@ class PrometheusStatLogger:
             ):
                 if new > old:
                     metric.inc(new - old)
+                elif new < old:  # a restarted engine counts from zero again
+                    metric.inc(new)
             self._last_totals = totals
         if stats.num_prompt_tokens:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
@@ -179,8 +184,29 @@ class PrometheusStatLogger:
                     finished.decode_time / (finished.num_generation_tokens - 1)
                 )
 
+    def count_engine_restarts(self, restarts: Callable[[], dict[int, int]]) -> None:
+        """Export `<prefix>:engine_restarts_total` by rank, read from `restarts()` at each scrape."""
+        self.registry.register(_EngineRestarts(f"{self.prefix}:engine_restarts", self.model_name, restarts))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineRestarts(Collector):
+    """The engine's own restart counts (the client layer keeps them), as a counter per rank."""
+
+    def __init__(self, name: str, model_name: str, restarts: Callable[[], dict[int, int]]) -> None:
+        self.name = name
+        self.model_name = model_name
+        self.restarts = restarts
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            self.name, "Engine-core restarts after a death, by rank.", labels=["model_name", "rank"]
+        )
+        for rank, count in sorted(self.restarts().items()):
+            family.add_metric([self.model_name, str(rank)], count)
+        yield family
 
 
 router = APIRouter()

@@ -657,7 +657,9 @@ class DetokenizeResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok", "degraded"]
+    status: Literal["ok", "restarting", "degraded"]
+    restarting_ranks: list[int] = Field(default_factory=list)
+    """Engine ranks on their way back after a death (--engine-restarts)."""
     dead_ranks: list[int] = Field(default_factory=list)
     """Data parallel: ranks that died while others still serve."""
     errors: dict[str, str] = Field(default_factory=dict)

@@ -15,10 +15,11 @@ import functools
 import hashlib
 import importlib.util
 import logging
-import os
 import platform
 from pathlib import Path
 from types import ModuleType
+
+from nanoserve import envs
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 def build_dir() -> Path:
-    return Path(os.environ.get("NANOSERVE_KERNEL_DIR") or Path.home() / ".cache" / "nanoserve" / "kernels")
+    return envs.kernel_dir()
 
 
 def cpu_identity() -> str:
