@@ -18,6 +18,10 @@ CPU_KERNEL_MODES = ("auto", "off")
 START_METHODS = ("spawn", "forkserver", "fork")
 TRANSPORTS = ("ipc", "tcp")
 DP_BACKENDS = ("mp", "ray")
+SPECULATIVE_METHODS = ("none", "ngram")
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+DEFAULT_PROMPT_LOOKUP_MAX = 4
+DEFAULT_PROMPT_LOOKUP_MIN = 2
 
 
 @dataclass
@@ -50,6 +54,15 @@ class EngineOptions:
     cpu_kernels: str = "auto"
     """auto: decode attention and RMSNorm in C++ kernels compiled on first use (CPU, bfloat16/float32),
     where they build; off: PyTorch ops only."""
+    speculative: str = "none"
+    """ngram: speculative decoding by prompt lookup (nanoserve.core.speculator): up to
+    `num_speculative_tokens` tokens that followed the latest earlier occurrence of the sequence's last
+    n-gram are checked in one forward pass; output is what plain decoding gives."""
+    num_speculative_tokens: int | None = None
+    """Draft tokens per request and step (default 3); only with speculative="ngram"."""
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    """The longest and shortest n-gram matched (default 4 and 2); only with speculative="ngram"."""
     runner: str = "model"
     """model: the real transformer. null: a model-free runner (one token per request per step) used by
     the IPC benchmark and client tests."""
@@ -115,6 +128,38 @@ class EngineOptions:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}.")
         self._validate_data_parallel()
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}.")
+        knobs = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+        if self.speculative == "none":
+            given = [name for name in knobs if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} needs speculative='ngram'.")
+            return
+        for name in knobs:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}.")
+        if self.spec_lookup_min > self.spec_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.spec_lookup_min}) must not exceed prompt_lookup_max "
+                f"({self.spec_lookup_max})."
+            )
+
+    @property
+    def spec_num_tokens(self) -> int:
+        return self.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
+
+    @property
+    def spec_lookup_max(self) -> int:
+        return self.prompt_lookup_max or DEFAULT_PROMPT_LOOKUP_MAX
+
+    @property
+    def spec_lookup_min(self) -> int:
+        return self.prompt_lookup_min or DEFAULT_PROMPT_LOOKUP_MIN
 
     def _validate_data_parallel(self) -> None:
         size, rank = self.data_parallel_size, self.data_parallel_rank

@@ -11,7 +11,15 @@ import argparse
 import importlib
 import sys
 
-from nanoserve.config import CPU_KERNEL_MODES, DP_BACKENDS, DTYPES, QUANTIZATIONS, RUNNERS, EngineOptions
+from nanoserve.config import (
+    CPU_KERNEL_MODES,
+    DP_BACKENDS,
+    DTYPES,
+    QUANTIZATIONS,
+    RUNNERS,
+    SPECULATIVE_METHODS,
+    EngineOptions,
+)
 
 SUBCOMMANDS: dict[str, str] = {
     "generate": "nanoserve.entrypoints.cli",
@@ -61,6 +69,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="auto: C++ decode attention and RMSNorm on CPU where they build; off: PyTorch ops only",
     )
+    group.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        default=None,
+        help="ngram: speculative decoding by prompt lookup (same output, fewer steps where the text "
+        "repeats its context)",
+    )
+    group.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="draft tokens per step (default 3)"
+    )
+    group.add_argument("--prompt-lookup-max", type=int, default=None, help="longest n-gram matched (4)")
+    group.add_argument("--prompt-lookup-min", type=int, default=None, help="shortest n-gram matched (2)")
     group.add_argument("--runner", choices=RUNNERS, default=None)
     group.add_argument(
         "--engine-restarts",
