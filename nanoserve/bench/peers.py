@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ttft-prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per system, start-up included")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw tok/s against batch size")
     parser.add_argument(
         "--work-dir",
         default=os.path.join(sys.prefix, "bench-peers"),
@@ -272,3 +274,12 @@ def main(argv: list[str] | None = None) -> None:
         "\ntok/s; ratios: nanoserve tok/s / peer (higher is better), TTFT nanoserve / peer (lower is better)"
     )
     print_table(results, list(spec["prompts"]), args.ttft_prompt_len)
+    if args.plot:
+        from nanoserve.bench.plot import plot_throughput
+
+        batches = list(spec["prompts"])
+        curves = {
+            LABELS[name]: [statistics.median(r["tok_s"][b]) if b in r["tok_s"] else math.nan for b in batches]
+            for name, r in results.items()
+        }
+        plot_throughput(args.plot, [int(b) for b in batches], curves)

@@ -26,7 +26,7 @@ def _log_axis(ax: Any, ticks: list[int], label: str) -> None:
 
 
 def plot_throughput(path: str, batch_sizes: Sequence[int], medians: Mapping[str, Sequence[float]]) -> None:
-    """Output tok/s against batch size, one line per system."""
+    """Output tok/s against batch size, one line per system (NaN where it did not run that batch)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, values in medians.items():

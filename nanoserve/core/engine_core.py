@@ -217,10 +217,17 @@ class EngineCore:
             outputs.extend(self._attach_grammars())
             scheduled = self.scheduler.schedule()
             if not scheduled.is_empty:
-                matchers = [c.request.grammar for c in scheduled.chunks if c.samples and c.request.grammar]
+                matchers = [
+                    (c.request.grammar, c.draft_token_ids)
+                    for c in scheduled.chunks
+                    if c.samples and c.request.grammar
+                ]
                 if matchers:  # filled while the model runs
                     scheduled.grammar_bitmask = self.grammars.fill_bitmask(matchers)
+                start = time.perf_counter()
                 runner_output = self.runner.execute(scheduled)
+                if self.scheduler.speculator is not None:
+                    self.scheduler.speculator.observe_step(scheduled, time.perf_counter() - start)
                 outputs.extend(self.scheduler.update_from_output(scheduled, runner_output))
             elif self._compiling and not outputs:
                 wait([f for _, f in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)

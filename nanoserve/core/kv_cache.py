@@ -204,6 +204,17 @@ class KVCacheManager:
             else:
                 self._free_cached[block] = None
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` slots: after speculative decoding, the slots
+        of rejected draft tokens (never hashed: only computed blocks are). What they hold is overwritten
+        before it is read, so trimming is about the pool, not correctness."""
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return
+        num_needed = -(-num_tokens // self.block_size)
+        while len(table) > num_needed:
+            self._release(table.pop())
+
     def free(self, request: Request) -> None:
         """Release the request's blocks; hashed ones stay cached until evicted."""
         table = self._tables.pop(request.request_id, None)

@@ -6,8 +6,13 @@ to the budget), then on waiting requests in FCFS order while fewer than `max_num
 running request cannot get a KV block, the newest running request is preempted: its blocks are freed
 and it goes back to the front of the waiting queue, to recompute prompt + output when it resumes.
 
-`update_from_output()` then advances each scheduled request by its chunk, appends sampled tokens,
-applies the stop conditions and frees finished requests.
+With speculative decoding (`options.speculative`), a decoding request may also get draft tokens
+(nanoserve.core.speculator): they take budget and KV slots like known tokens, and the runner verifies
+them in the same forward pass.
+
+`update_from_output()` then advances each scheduled request by its chunk (the known tokens and the
+accepted drafts), appends the sampled tokens one at a time under the stop conditions, gives back the
+slots of rejected drafts and frees finished requests.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Iterable
 from nanoserve.config import EngineOptions
 from nanoserve.core.kv_cache import KVCacheManager
 from nanoserve.core.request import Request, RequestStatus
+from nanoserve.core.speculator import Speculator
 from nanoserve.model.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from nanoserve.wire.messages import EngineCoreOutput, SchedulerStats
 
@@ -49,6 +55,7 @@ class Scheduler:
         self.running: list[Request] = []
         """In admission order: the last one is the newest, the first to preempt."""
         self.num_preemptions = 0
+        self.speculator = Speculator(options) if options.speculative == "ngram" else None
 
     # ---- queue -----------------------------------------------------------------------------------
 
@@ -98,7 +105,10 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not kv.allocate_slots(request, num_new):
+            drafts = self._drafts(request, budget - num_new)
+            if drafts and not kv.allocate_slots(request, num_new + len(drafts)):
+                drafts = []  # no room to speculate: decode plainly, preempting only for that
+            while not drafts and not kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_request_ids.append(victim.request_id)
@@ -106,8 +116,9 @@ class Scheduler:
                     break
             if request.status is RequestStatus.PREEMPTED:
                 break  # it was the newest; nobody after it is left to schedule
-            out.chunks.append(ScheduledChunk(request, num_new, kv.block_ids(request.request_id)))
-            budget -= num_new
+            chunk = ScheduledChunk(request, num_new + len(drafts), kv.block_ids(request.request_id), drafts)
+            out.chunks.append(chunk)
+            budget -= chunk.num_new_tokens
             i += 1
 
         # Admitting new work in a step that had to preempt would only thrash the cache.
@@ -139,6 +150,18 @@ class Scheduler:
         self.waiting.extendleft(reversed(awaiting_grammar))
         return out
 
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request, leaving room for the token sampled after them within
+        max_tokens and max_model_len."""
+        if self.speculator is None or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        room = min(
+            budget,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return self.speculator.propose(request, len(self.running), max(room, 0))
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -158,31 +181,36 @@ class Scheduler:
             if request is None:
                 continue  # aborted while the step ran
             samples = chunk.samples  # read before advancing: it compares against num_computed_tokens
-            request.num_computed_tokens += chunk.num_new_tokens
-            self.kv_cache.cache_computed_blocks(request)
-            request.prompt_logprobs.extend(out.prompt_logprobs.get(request.request_id, ()))
-            if not samples:
-                continue
-            j = index.get(request.request_id)
+            j = index.get(request.request_id) if samples else None
             if j is None:
+                request.num_computed_tokens += chunk.num_new_tokens
+                self.kv_cache.cache_computed_blocks(request)
+                request.prompt_logprobs.extend(out.prompt_logprobs.get(request.request_id, ()))
                 continue
-            token = out.sampled_token_ids[j]
-            request.append_output_token(token)
-            error = None
-            if request.grammar is not None and not request.grammar.accept(token):
-                error = f"The sampled token {token} breaks the structured output: {request.grammar.error}"
-            status = RequestStatus.FINISHED_ERROR if error else self._check_stop(request, token)
+            sampled = out.sampled_token_ids[j]
+            num_accepted = len(sampled) - 1
+            if chunk.draft_token_ids and self.speculator is not None:
+                self.speculator.record(request.request_id, len(chunk.draft_token_ids), num_accepted)
+            is_first = request.num_output_tokens == 0
+            request.prompt_logprobs.extend(out.prompt_logprobs.get(request.request_id, ()))
+            tokens, status, error = self._append_tokens(request, sampled)
+            # K/V are in the cache for the known tokens and the accepted drafts, of the tokens kept
+            computed = request.num_computed_tokens + chunk.num_known_tokens + num_accepted
+            request.num_computed_tokens = min(computed, request.num_tokens)
+            self.kv_cache.cache_computed_blocks(request)
             if status is not None:
                 request.status = status
                 self._free(request)
                 any_finished = True
-            logprobs = out.logprobs[j] if j < len(out.logprobs) else None
-            is_first = request.num_output_tokens == 1
+            elif chunk.draft_token_ids:
+                self.kv_cache.trim(request, request.num_tokens)
+            entries = out.logprobs[j] if j < len(out.logprobs) else None
+            logprobs = None if entries is None else entries[: len(tokens)]
             outputs.append(
                 EngineCoreOutput(
                     request.request_id,
-                    [token],
-                    new_logprobs=None if logprobs is None else [logprobs],
+                    tokens,
+                    new_logprobs=logprobs,
                     finish_reason=None if status is None else status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
@@ -197,6 +225,21 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _append_tokens(
+        self, request: Request, tokens: list[int]
+    ) -> tuple[list[int], RequestStatus | None, str | None]:
+        """Append sampled tokens one by one, as plain decoding would, up to the first that finishes the
+        request; returns the tokens kept, the finishing status and the error, if any."""
+        for i, token in enumerate(tokens):
+            request.append_output_token(token)
+            if request.grammar is not None and not request.grammar.accept(token):
+                error = f"The sampled token {token} breaks the structured output: {request.grammar.error}"
+                return tokens[: i + 1], RequestStatus.FINISHED_ERROR, error
+            status = self._check_stop(request, token)
+            if status is not None:
+                return tokens[: i + 1], status, None
+        return tokens, None, None
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -215,6 +258,8 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.kv_cache.free(request)
         del self.requests[request.request_id]
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
 
     # ---- finish from outside ---------------------------------------------------------------------
 
@@ -263,4 +308,6 @@ class Scheduler:
             prefix_cache_queries=self.kv_cache.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
+            num_accepted_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
         )

@@ -18,6 +18,7 @@ from nanoserve.config import (
     MATMUL_CHOICES,
     QUANTIZATIONS,
     RUNNERS,
+    SPECULATIVE_METHODS,
     EngineOptions,
 )
 
@@ -78,6 +79,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="with --quantization: auto measures per CPU (cached) up to which step size each quantized "
         "matmul beats bf16; fixed: quantized at every step size",
     )
+    group.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        default=None,
+        help="ngram: speculative decoding by prompt lookup (same output, fewer steps where the text "
+        "repeats its context)",
+    )
+    group.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="draft tokens per step (default 3)"
+    )
+    group.add_argument("--prompt-lookup-max", type=int, default=None, help="longest n-gram matched (4)")
+    group.add_argument("--prompt-lookup-min", type=int, default=None, help="shortest n-gram matched (2)")
     group.add_argument("--runner", choices=RUNNERS, default=None)
     group.add_argument(
         "--engine-restarts",

@@ -7,9 +7,11 @@ masked fill in torch); rows that use none cost nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from nanoserve.model.batch import SequenceState
+from nanoserve.model.batch import SampledSequence
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured_output.bitmask import apply_bitmask
 
@@ -21,7 +23,7 @@ def has_logits_controls(p: SamplingParams) -> bool:
 
 
 def apply_logits_controls(
-    logits: torch.Tensor, requests: list[SequenceState], grammar_bitmask: torch.Tensor | None
+    logits: torch.Tensor, requests: Sequence[SampledSequence], grammar_bitmask: torch.Tensor | None
 ) -> None:
     """In place on logits [num_requests, vocab]; grammar_bitmask has one row per request with a grammar."""
     _add_logit_bias(logits, requests)
@@ -32,7 +34,7 @@ def apply_logits_controls(
         apply_bitmask(logits, rows, grammar_bitmask)
 
 
-def _add_logit_bias(logits: torch.Tensor, requests: list[SequenceState]) -> None:
+def _add_logit_bias(logits: torch.Tensor, requests: Sequence[SampledSequence]) -> None:
     rows, cols, values = [], [], []
     for i, r in enumerate(requests):
         bias = r.sampling_params.logit_bias
@@ -48,7 +50,7 @@ def _add_logit_bias(logits: torch.Tensor, requests: list[SequenceState]) -> None
         )
 
 
-def _keep_allowed(logits: torch.Tensor, requests: list[SequenceState]) -> None:
+def _keep_allowed(logits: torch.Tensor, requests: Sequence[SampledSequence]) -> None:
     rows = [i for i, r in enumerate(requests) if r.sampling_params.allowed_token_ids is not None]
     if not rows:
         return
@@ -63,7 +65,7 @@ def _keep_allowed(logits: torch.Tensor, requests: list[SequenceState]) -> None:
     logits[index] = logits[index].masked_fill_(banned, NEG_INF)
 
 
-def _ban_bad_words(logits: torch.Tensor, requests: list[SequenceState]) -> None:
+def _ban_bad_words(logits: torch.Tensor, requests: Sequence[SampledSequence]) -> None:
     """A bad word's last token is banned where the output so far ends with the rest of the word."""
     rows, cols = [], []
     for i, r in enumerate(requests):

@@ -1,7 +1,8 @@
 """NullRunner: a model-free runner that answers every scheduled request at once.
 
 It lets the IPC benchmark and the client tests exercise scheduling, the wire and the client layer
-without paying for a forward pass. Each sampling request gets one deterministic token per step.
+without paying for a forward pass. Each sampling request gets one deterministic token per step, a
+function of its length; draft tokens are accepted where they equal what it would give there.
 """
 
 from __future__ import annotations
@@ -51,7 +52,13 @@ class NullRunner:
         for chunk in scheduled.chunks:
             if chunk.samples:
                 ids.append(chunk.request.request_id)
-                tokens.append(_FIRST_ORDINARY_TOKEN + chunk.request.num_tokens % span)
+                num_tokens = chunk.request.num_tokens
+                kept = [_FIRST_ORDINARY_TOKEN + num_tokens % span]
+                for i, draft in enumerate(chunk.draft_token_ids):
+                    if draft != kept[-1]:
+                        break
+                    kept.append(_FIRST_ORDINARY_TOKEN + (num_tokens + i + 1) % span)
+                tokens.append(kept)
         return RunnerOutput(ids, tokens, [None] * len(ids))
 
     def save_state(self, path: str) -> None:

@@ -167,7 +167,8 @@ class ModelRunner:
             token_ids = []
             for c in chunks:
                 first = c.request.num_computed_tokens
-                token_ids.extend(c.request.all_token_ids[first : first + c.num_new_tokens])
+                token_ids.extend(c.request.all_token_ids[first : first + c.num_known_tokens])
+                token_ids.extend(c.draft_token_ids)
             cu_query = np.cumsum(query_lens) - query_lens
             positions = np.arange(num_tokens) - np.repeat(cu_query - starts, query_lens)
 
@@ -188,12 +189,13 @@ class ModelRunner:
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         if not sampling:
             return RunnerOutput([], [], [], prompt_logprobs)
-        last_rows = torch.from_numpy(np.cumsum(query_lens)[sampling] - 1).to(self.device)
-        logits = model.compute_logits(hidden.index_select(0, last_rows)).float().cpu()
+        drafts = [chunks[i].draft_token_ids for i in sampling]
+        rows = torch.from_numpy(_sampled_rows(np.cumsum(query_lens)[sampling], drafts)).to(self.device)
+        logits = model.compute_logits(hidden.index_select(0, rows)).float().cpu()
         requests = [chunks[i].request for i in sampling]
         bitmask = scheduled.grammar_bitmask.result() if scheduled.grammar_bitmask is not None else None
-        token_list, logprobs = self.sampler.sample(logits, requests, bitmask)
-        return RunnerOutput([r.request_id for r in requests], token_list, logprobs, prompt_logprobs)
+        token_lists, logprobs = self.sampler.sample_and_verify(logits, requests, drafts, bitmask)
+        return RunnerOutput([r.request_id for r in requests], token_lists, logprobs, prompt_logprobs)
 
     def _prompt_logprobs(
         self, chunks: list[ScheduledChunk], hidden: torch.Tensor, chunk_starts: np.ndarray
@@ -223,3 +225,11 @@ class ModelRunner:
                     entries.append([(token, lp), *top])
             result[request.request_id] = entries
         return result
+
+
+def _sampled_rows(chunk_ends: np.ndarray, drafts: list[list[int]]) -> np.ndarray:
+    """Flat token rows whose logits are sampled: each sampling chunk's last 1 + len(draft) rows (its
+    last known token, then its drafts), chunk after chunk. chunk_ends: each chunk's end row + 1."""
+    counts = np.fromiter((1 + len(d) for d in drafts), dtype=np.int64, count=len(drafts))
+    firsts = np.repeat(chunk_ends - counts, counts)
+    return firsts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)

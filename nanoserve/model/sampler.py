@@ -4,13 +4,26 @@ All-greedy batches take an argmax fast path. Sampled rows draw by inverse CDF: o
 per step, so a seeded request, which draws from its own generator, gets tokens that do not depend on
 what else is in the batch, and its stream after k sampled tokens is its seed's generator after k
 draws of `torch.rand(1)` (which `torch.rand(k)` also reaches).
+
+Speculative decoding (`sample_and_verify`): a request with d draft tokens has d + 1 rows, row j for
+the position after its first j drafts, and each row is sampled as plain decoding would sample it once
+those drafts are its output (penalties, min_tokens, bad words and the grammar's mask see them). The
+drafts are kept up to the first one that differs from the token sampled at its position, and that
+token follows them. Since a draft is a single guess (a point mass), this is the standard rejection
+rule: a draft is accepted with probability p(draft), and a rejected position's token is drawn from p
+without the draft, renormalized. Drawing each row with the uniform plain decoding would have used
+there keeps more than the distribution: a seeded request's tokens are the very tokens it gets without
+speculation, greedy ones trivially so. Its generator is wound back to one draw per kept token, so the
+contract above holds for what it outputs, and a replay after an engine restart stays exact.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from nanoserve.model.batch import SequenceState
+from nanoserve.model.batch import SampledSequence, TokenLogprobs
 from nanoserve.model.logits_controls import apply_logits_controls, has_logits_controls
 from nanoserve.sampling_params import SamplingParams
 
@@ -19,15 +32,101 @@ CANDIDATES = 64
 median of 10 tokens and more than 256 in 1% of rows."""
 
 
+class DraftedSequence:
+    """A sequence as it stands once its first draft tokens are accepted: the sampler's view of the
+    position after them (its token lists are built only if a penalty or bad word reads them)."""
+
+    def __init__(self, sequence: SampledSequence, accepted: list[int]) -> None:
+        self.sequence = sequence
+        self.accepted = accepted
+        self.sampling_params = sequence.sampling_params
+        self.eos_token_ids = sequence.eos_token_ids
+        self.generator = sequence.generator
+        self.grammar = sequence.grammar
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.sequence.all_token_ids + self.accepted
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.sequence.output_token_ids + self.accepted
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.sequence.num_output_tokens + len(self.accepted)
+
+
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
     def sample(
-        self, logits: torch.Tensor, requests: list[SequenceState], grammar_bitmask: torch.Tensor | None = None
-    ) -> tuple[list[int], list]:
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[SampledSequence],
+        grammar_bitmask: torch.Tensor | None = None,
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: float32 [num_requests, vocab], one row per request in `requests`; grammar_bitmask:
         one row per request with a grammar, in order (see nanoserve.structured_output)."""
+        token_ids, raw_logits, _ = self._sample_rows(logits, requests, grammar_bitmask, None)
+        return token_ids.tolist(), _logprobs(raw_logits, token_ids, requests)
+
+    def sample_and_verify(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[SampledSequence],
+        drafts: list[list[int]],
+        grammar_bitmask: torch.Tensor | None = None,
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """logits: float32 [sum(1 + len(d) for d in drafts), vocab], request after request, row j of a
+        request for the position after its first j drafts; grammar_bitmask likewise, for the requests
+        with a grammar. Returns per request the tokens it keeps (accepted drafts, then one sampled
+        token) and their logprobs."""
+        rows: list[SampledSequence] = []
+        spans: list[tuple[int, int]] = []
+        for request, draft in zip(requests, drafts, strict=True):
+            spans.append((len(rows), len(draft) + 1))
+            rows.append(request)
+            rows.extend(DraftedSequence(request, draft[:j]) for j in range(1, len(draft) + 1))
+        token_ids, raw_logits, rewinds = self._sample_rows(logits, rows, grammar_bitmask, spans)
+        sampled = token_ids.tolist()
+        kept: list[list[int]] = []
+        kept_rows: list[int] = []
+        for (start, _), draft in zip(spans, drafts, strict=True):
+            num_accepted = 0
+            while num_accepted < len(draft) and sampled[start + num_accepted] == draft[num_accepted]:
+                num_accepted += 1
+            kept.append(sampled[start : start + num_accepted + 1])
+            kept_rows.extend(range(start, start + num_accepted + 1))
+        for i, generator, state in rewinds:
+            if len(kept[i]) < spans[i][1]:  # one draw per kept token, as without drafts
+                generator.set_state(state)
+                torch.rand(len(kept[i]), generator=generator)
+        if len(kept_rows) == len(rows):
+            row_logprobs = _logprobs(raw_logits, token_ids, rows)
+        else:
+            index = torch.tensor(kept_rows)
+            row_logprobs = _logprobs(raw_logits[index], token_ids[index], [rows[k] for k in kept_rows])
+        logprobs: list[list[TokenLogprobs] | None] = []
+        start = 0
+        for request, tokens in zip(requests, kept, strict=True):
+            entries = row_logprobs[start : start + len(tokens)]
+            start += len(tokens)
+            logprobs.append(
+                None if request.sampling_params.logprobs is None else [e for e in entries if e is not None]
+            )
+        return kept, logprobs
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[SampledSequence],
+        grammar_bitmask: torch.Tensor | None,
+        spans: list[tuple[int, int]] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Generator, torch.Tensor]]]:
+        """One token per row; also the raw logits (for logprobs) and, for seeded requests of several
+        rows (spans: per request its first row and row count), their generators' states before the draw."""
         params = [r.sampling_params for r in requests]
         raw_logits = logits
         if any(_has_penalty(p) for p in params):
@@ -40,31 +139,33 @@ class Sampler:
             logits = logits if logits is not raw_logits else logits.clone()
             apply_logits_controls(logits, requests, grammar_bitmask)
 
-        if all(p.is_greedy for p in params):
-            token_ids = logits.argmax(dim=-1)
-        else:
-            token_ids = self._sample_random(logits, requests)
-        token_list = token_ids.tolist()
-        return token_list, _logprobs(raw_logits, token_ids, requests)
-
-    def _sample_random(self, logits: torch.Tensor, requests: list[SequenceState]) -> torch.Tensor:
         token_ids = logits.argmax(dim=-1)
-        rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not rows:
-            return token_ids
-        params = [requests[i].sampling_params for i in rows]
-        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+            return token_ids, raw_logits, []
+        uniforms, rewinds = self._uniforms(requests, spans or [(i, 1) for i in range(len(requests))])
+        sampled_params = [params[i] for i in rows]
+        temperature = torch.tensor([p.temperature for p in sampled_params], dtype=logits.dtype).unsqueeze(1)
         probs = torch.softmax(logits[rows] / temperature, dim=-1)
-        token_ids[rows] = _draw(probs, params, self._uniforms([requests[i] for i in rows]))
-        return token_ids
+        token_ids[rows] = _draw(probs, sampled_params, uniforms[rows])
+        return token_ids, raw_logits, rewinds
 
-    def _uniforms(self, requests: list[SequenceState]) -> torch.Tensor:
-        """One uniform per row: seeded rows from their own generator, the rest in one draw from ours."""
-        uniforms = torch.rand(len(requests), generator=self.generator)
-        for i, request in enumerate(requests):
-            if request.generator is not None:
-                uniforms[i] = torch.rand(1, generator=request.generator)[0]
-        return uniforms
+    def _uniforms(
+        self, rows: Sequence[SampledSequence], spans: list[tuple[int, int]]
+    ) -> tuple[torch.Tensor, list[tuple[int, torch.Generator, torch.Tensor]]]:
+        """One uniform per row: a seeded request's rows from its own generator, in order, the rest in
+        one draw from ours. Greedy rows' uniforms are never used, and seeded greedy requests draw none."""
+        uniforms = torch.rand(len(rows), generator=self.generator)
+        rewinds = []
+        for i, (start, count) in enumerate(spans):
+            first = rows[start]
+            generator = first.generator
+            if generator is None or first.sampling_params.is_greedy:
+                continue
+            if count > 1:
+                rewinds.append((i, generator, generator.get_state()))
+            uniforms[start : start + count] = torch.rand(count, generator=generator)
+        return uniforms, rewinds
 
 
 def _draw(probs: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> torch.Tensor:
@@ -138,7 +239,7 @@ def _has_penalty(p) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
-def _apply_penalties(logits: torch.Tensor, requests: list[SequenceState]) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampledSequence]) -> torch.Tensor:
     num_rows, vocab = logits.shape
     output_counts = torch.zeros(num_rows, vocab, dtype=logits.dtype)
     seen = torch.zeros(num_rows, vocab, dtype=torch.bool)
@@ -162,7 +263,7 @@ def _apply_penalties(logits: torch.Tensor, requests: list[SequenceState]) -> tor
     return logits - freq * output_counts - pres * (output_counts > 0).to(logits.dtype)
 
 
-def _suppress_stops(logits: torch.Tensor, requests: list[SequenceState]) -> torch.Tensor:
+def _suppress_stops(logits: torch.Tensor, requests: Sequence[SampledSequence]) -> torch.Tensor:
     """Before min_tokens are out, EOS and stop tokens cannot be sampled."""
     for i, r in enumerate(requests):
         p = r.sampling_params
@@ -176,7 +277,9 @@ def _suppress_stops(logits: torch.Tensor, requests: list[SequenceState]) -> torc
     return logits
 
 
-def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, requests: list[SequenceState]) -> list:
+def _logprobs(
+    raw_logits: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[SampledSequence]
+) -> list[TokenLogprobs | None]:
     """Per request: [(sampled, logprob), (top1, logprob), ...] of the model's raw distribution, or None."""
     wanted = {i: r.sampling_params.logprobs for i, r in enumerate(requests)}
     wanted = {i: n for i, n in wanted.items() if n is not None}
@@ -188,7 +291,7 @@ def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, requests: list[
     top_values, top_ids = logprobs.topk(max(wanted.values()), dim=-1)
     sampled = token_ids[rows]
     sampled_lp = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
-    result: list = [None] * len(requests)
+    result: list[TokenLogprobs | None] = [None] * len(requests)
     for j, (i, n) in enumerate(wanted.items()):
         top = zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist(), strict=True)
         result[i] = [(int(sampled[j]), sampled_lp[j]), *top]

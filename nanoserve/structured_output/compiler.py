@@ -63,16 +63,29 @@ class GrammarCompiler:
             raise ValueError(f"The tokens generated so far do not match the grammar: {matcher.error}")
         return matcher
 
-    def fill_bitmask(self, matchers: list[GrammarMatcher]) -> Future[torch.Tensor]:
-        """int32 [len(matchers), ceil(vocab / 32)]: the tokens each matcher allows next."""
+    def fill_bitmask(self, matchers: list[tuple[GrammarMatcher, list[int]]]) -> Future[torch.Tensor]:
+        """int32 [sum(1 + len(drafts)), ceil(vocab / 32)]: for each (matcher, draft tokens), the tokens it
+        allows next, then after each draft token in turn (the matcher is left as it was). Rows past a
+        draft token the grammar refuses allow everything: their positions are never kept."""
         return self._bitmask_pool.submit(self._fill, matchers)
 
-    def _fill(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+    def _fill(self, matchers: list[tuple[GrammarMatcher, list[int]]]) -> torch.Tensor:
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), self.vocab_size)
-        pairs = [(m.matcher, i) for i, m in enumerate(matchers)]
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+        bitmask = llguidance.numpy.allocate_token_bitmask(
+            sum(1 + len(drafts) for _, drafts in matchers), self.vocab_size
+        )
+        plain, drafted, row = [], [], 0
+        for matcher, drafts in matchers:
+            if drafts:
+                drafted.append((matcher.matcher, row, drafts))
+            else:
+                plain.append((matcher.matcher, row))
+            row += 1 + len(drafts)
+        if plain:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        if drafted:  # llguidance refuses empty draft lists
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
         return torch.from_numpy(bitmask)
 
     def shutdown(self) -> None:

@@ -36,7 +36,7 @@ def make_request(
 def fake_run(sched: SchedulerOutput, token_for: Callable[[Request], int] = lambda r: 7) -> RunnerOutput:
     sampling = [c.request for c in sched.chunks if c.samples]
     return RunnerOutput(
-        [r.request_id for r in sampling], [token_for(r) for r in sampling], [None] * len(sampling)
+        [r.request_id for r in sampling], [[token_for(r)] for r in sampling], [None] * len(sampling)
     )
 
 
@@ -256,7 +256,7 @@ def test_logprobs_are_forwarded():
     s.add_request(make_request("a", max_tokens=1))
     sched = s.schedule()
     lp = [(7, -0.5), (8, -1.0)]
-    (out,) = s.update_from_output(sched, RunnerOutput(["a"], [7], [lp]))
+    (out,) = s.update_from_output(sched, RunnerOutput(["a"], [[7]], [[lp]]))
     assert out.new_logprobs == [lp] and out.finish_reason is FinishReason.LENGTH
 
 

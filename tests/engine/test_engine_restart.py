@@ -8,6 +8,7 @@ machine): every wait is for a condition, with a deadline far from the normal cas
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import textwrap
@@ -154,6 +155,23 @@ def test_sync_client_restarts_a_killed_engine_and_resumes_its_requests(tiny_gqa_
         assert client.liveness.restart_counts() == {0: 1} and client.liveness.state(0) is RankState.ALIVE
         assert not client.ledger.entries  # what finished is forgotten
         assert client.call_utility("reset_prefix_cache") in (True, False)
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_speculative_engine_restarts_and_delivers_each_accepted_token_once(tiny_gqa_dir):
+    """Outputs carry several tokens (accepted drafts): the ledger replays exactly what was delivered."""
+    requests = mixed_requests(4, max_tokens=300)
+    options = dataclasses.replace(tiny_options(tiny_gqa_dir), speculative="ngram")
+    client = SyncMPClient(options)
+    try:
+        expected = run_sync(client, requests)
+        assert run_sync(client, renamed(requests, "again"), kill_after_tokens=3) == expected
+        assert client.liveness.restart_counts() == {0: 1}
+        client.add_request(renamed(requests[:1], "stats")[0])
+        stats = client.get_output(timeout=RESTART_WAIT_S).scheduler_stats
+        assert stats is not None and stats.num_accepted_tokens > 0  # the new engine's drafts since it started
     finally:
         client.shutdown()
 

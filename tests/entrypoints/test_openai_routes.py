@@ -1,8 +1,9 @@
 """The routes and server options beyond generation, through a real server: /tokenize and /detokenize,
 /ping and /health, the sleep endpoints, request fields refused or unknown, range checks, vLLM-named
-metrics with the phase histograms, CORS and the access log.
+metrics with the phase histograms and speculative decoding's counters, CORS and the access log.
 
-One server with every option these tests read answers them all; it is killed at the end of the module.
+One server with every option these tests read answers them all (speculative decoding included, so
+every route here also runs with it); it is killed at the end of the module.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ UNICODE_TEXT = "Grüße, 世界! naïve café — 🙂🚀 ∑x²"
 @pytest.fixture(scope="module")
 def server(tiny_gqa_dir, tmp_path_factory):
     flags = ["--api-key", API_KEY, "--enable-sleep-endpoints", "--metrics-prefix", "vllm"]
-    flags += ["--allowed-origins", ORIGIN]
+    flags += ["--allowed-origins", ORIGIN, "--speculative", "ngram"]
     srv = Server(tiny_gqa_dir, tmp_path_factory.mktemp("routes") / "server.log", *flags)
     yield srv
     srv.stop()
@@ -259,6 +260,17 @@ def test_metrics_use_vllm_names_and_export_the_phase_histograms(server, client, 
     for name in ("vllm:time_per_output_token_seconds_bucket", "vllm:time_to_first_token_seconds_bucket"):
         assert name in text
     assert "nanoserve:" not in text
+
+
+@pytest.mark.timeout(60)
+def test_metrics_count_speculative_draft_and_accepted_tokens(server, client, model_name):
+    def value(name: str) -> float:
+        return metric(server.url, f"vllm:spec_decode_num_{name}_tokens_total", model_name=model_name)
+
+    drafts = value("draft")
+    client.completions.create(model=model_name, prompt="one two " * 12, max_tokens=24, temperature=0)
+    assert wait_for(lambda: value("draft") > drafts)
+    assert 0 <= value("accepted") <= value("draft")
 
 
 @pytest.mark.timeout(60)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nanoserve.core.request import Request
@@ -188,3 +189,67 @@ def test_a_seeded_stream_resumes_from_its_seed_after_k_draws():
     torch.rand(6, generator=resumed.generator)
     assert [Sampler(1).sample(logits, [resumed])[0][0] for _ in range(4)] == stream[6:]
     assert len(set(stream)) > 1
+
+
+# ---- speculative decoding: rows per draft position, verification -----------------------------------
+
+
+def model_logits(tokens: list[int]) -> torch.Tensor:
+    """A stand-in model: the next-token logits depend on the last token only (and repeat, so drafts
+    copied from the past are sometimes right)."""
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(tokens[-1] % 7)) * 1.5
+
+
+def drafted_logits(request: Request, draft: list[int]) -> torch.Tensor:
+    tokens = request.all_token_ids
+    return torch.stack([model_logits(tokens + draft[:j]) for j in range(len(draft) + 1)])
+
+
+def test_verification_keeps_the_drafts_up_to_the_first_mismatch_then_the_sampled_token():
+    a = make_request("a", temperature=0, logprobs=1)
+    b = make_request("b", temperature=0)
+    logits = torch.full((5, VOCAB), -1.0)
+    for row, token in enumerate([4, 5, 9, 6, 8]):  # a's rows: 4 5 9 6; b's row: 8
+        logits[row, token] = 3.0
+    tokens, logprobs = Sampler(0).sample_and_verify(logits, [a, b], [[4, 5, 6], []])
+    assert tokens == [[4, 5, 9], [8]]
+    assert logprobs[1] is None and logprobs[0] is not None
+    assert [entries[0][0] for entries in logprobs[0]] == [4, 5, 9]  # one entry per kept token
+    expected = torch.log_softmax(logits[2], -1)[9].item()
+    assert abs(logprobs[0][2][0][1] - expected) < 1e-5
+
+
+def test_each_draft_position_sees_the_drafts_before_it_as_output():
+    """A frequency penalty learns of the drafted 7 at the next position, as plain decoding would."""
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 7], logits[:, 8] = 2.0, 1.0
+    request = make_request(temperature=0, frequency_penalty=2.0)
+    tokens, _ = Sampler(0).sample_and_verify(logits, [request], [[7, 7]])
+    assert tokens == [[7, 8]]
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9, top_k=20)])
+def test_seeded_sampling_with_drafts_gives_the_tokens_of_plain_sampling(params):
+    """Drawing each verified position with the uniform plain decoding would use there: the same tokens,
+    right and wrong drafts alike, and the generator left one draw per token on."""
+    plain = make_request(seed=5, **params)
+    sampler = Sampler(0)
+    for _ in range(40):
+        token = sampler.sample(model_logits(plain.all_token_ids).unsqueeze(0), [plain])[0][0]
+        plain.append_output_token(token)
+
+    speculative = make_request(seed=5, **params)
+    num_rejected = 0
+    while speculative.num_output_tokens < 40:
+        n = speculative.num_output_tokens
+        draft = plain.output_token_ids[n : n + 2] + [(plain.output_token_ids[n] + 1) % VOCAB]
+        draft = draft[: 40 - n - 1]
+        logits = drafted_logits(speculative, draft)
+        (kept,), _ = sampler.sample_and_verify(logits, [speculative], [draft])
+        num_rejected += len(kept) <= len(draft)
+        for token in kept:
+            speculative.append_output_token(token)
+    assert speculative.output_token_ids == plain.output_token_ids
+    assert num_rejected > 0 and len(set(plain.output_token_ids)) > 3
+    assert speculative.generator is not None and plain.generator is not None
+    assert torch.equal(speculative.generator.get_state(), plain.generator.get_state())

@@ -106,7 +106,7 @@ def test_bitmask_masks_forbidden_tokens(compiler, tokenizer):
     spec = StructuredOutputsParams(choice=["yes", "no"])
     matchers = [compiler.matcher(spec, []).result(timeout=60) for _ in range(2)]
     matchers[1].accept_all(ids(tokenizer, "n"))
-    bitmask = compiler.fill_bitmask(matchers).result(timeout=60)
+    bitmask = compiler.fill_bitmask([(m, []) for m in matchers]).result(timeout=60)
     logits = torch.zeros(3, len(tokenizer))
     apply_bitmask(logits, [0, 2], bitmask)
     allowed_first = set(torch.isfinite(logits[0]).nonzero().squeeze(1).tolist())
@@ -114,3 +114,31 @@ def test_bitmask_masks_forbidden_tokens(compiler, tokenizer):
     assert len(allowed_first) < 10
     assert torch.isfinite(logits[1]).all(), "a row without a grammar is left alone"
     assert set(torch.isfinite(logits[2]).nonzero().squeeze(1).tolist()) == set(ids(tokenizer, "o"))
+
+
+def allowed(bitmask: torch.Tensor, row: int, vocab: int) -> set[int]:
+    logits = torch.zeros(1, vocab)
+    apply_bitmask(logits, [0], bitmask[row : row + 1])
+    return set(torch.isfinite(logits[0]).nonzero().squeeze(1).tolist())
+
+
+def test_bitmask_rows_follow_the_draft_tokens_and_leave_the_matcher_as_it_was(compiler, tokenizer):
+    """Speculative decoding: row j is what the grammar allows after the first j drafts; rows past a
+    draft the grammar refuses allow everything (their positions are never kept)."""
+    vocab = len(tokenizer)
+    spec = StructuredOutputsParams(regex=r"ab(c|d)")
+    a, b, c = (ids(tokenizer, x)[0] for x in "abc")
+    assert [ids(tokenizer, x) for x in "abc"] == [[a], [b], [c]]
+    drafted = compiler.matcher(spec, []).result(timeout=60)
+    refused = compiler.matcher(spec, []).result(timeout=60)
+    plain = compiler.matcher(spec, []).result(timeout=60)
+    bitmask = compiler.fill_bitmask([(drafted, [a, b]), (refused, [b, a]), (plain, [])]).result(timeout=60)
+    assert bitmask.shape[0] == 3 + 3 + 1
+    rows = [allowed(bitmask, row, vocab) for row in range(7)]
+    assert a in rows[0] and b not in rows[0]
+    assert b in rows[1] and a not in rows[1]
+    assert c in rows[2] and b not in rows[2]
+    assert rows[3] == rows[0]  # refused: its first draft b is not allowed at the start
+    assert len(rows[4]) == len(rows[5]) == vocab
+    assert rows[6] == rows[0]
+    assert drafted.accept_all([a, b, c]) and refused.accept(a), "the drafts left no trace"

@@ -75,6 +75,12 @@ class PrometheusStatLogger:
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative draft tokens verified."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         success = Counter(
@@ -133,7 +139,7 @@ class PrometheusStatLogger:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
         )
-        self._last_totals = (0, 0, 0)  # the engine reports running totals; counters take increments
+        self._last_totals = (0, 0, 0, 0, 0)  # the engine reports running totals; counters take increments
 
     def __call__(self, scheduler_stats: SchedulerStats | None, stats: IterationStats) -> None:
         if scheduler_stats is not None:
@@ -144,9 +150,17 @@ class PrometheusStatLogger:
                 scheduler_stats.num_preemptions,
                 scheduler_stats.prefix_cache_queries,
                 scheduler_stats.prefix_cache_hits,
+                scheduler_stats.num_draft_tokens,
+                scheduler_stats.num_accepted_tokens,
             )
             for metric, new, old in zip(
-                (self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits),
+                (
+                    self.num_preemptions,
+                    self.prefix_cache_queries,
+                    self.prefix_cache_hits,
+                    self.spec_decode_num_draft_tokens,
+                    self.spec_decode_num_accepted_tokens,
+                ),
                 totals,
                 self._last_totals,
                 strict=True,
