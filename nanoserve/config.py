@@ -57,6 +57,10 @@ class EngineOptions:
     """How the multiprocess client starts engine-core processes (multiprocessing start method)."""
     transport: str = "ipc"
     """ipc: Unix sockets in the temp dir; tcp: loopback ports chosen by the kernel."""
+    zmq_curve: bool = True
+    """Authenticate and encrypt every tcp:// socket between frontend, engines and coordinator with
+    CurveZMQ (keys made per run); False sends plaintext to anyone who reaches the ports (a warning is
+    logged): only for a trusted network. ipc:// is never encrypted (its files guard it)."""
     shutdown_timeout: float = 0.0
     """Seconds an engine core keeps serving in-flight requests after SIGTERM before aborting them."""
     engine_restarts: int = 0

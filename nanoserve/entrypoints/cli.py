@@ -99,6 +99,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ray-address", default=None, help="with --data-parallel-backend ray: the Ray cluster to join"
     )
+    group.add_argument(
+        "--zmq-curve",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="authenticate and encrypt the engine sockets over TCP with CurveZMQ (default: on); "
+        "--no-zmq-curve sends plaintext, for a trusted network only",
+    )
 
 
 def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:

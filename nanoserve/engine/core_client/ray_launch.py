@@ -22,8 +22,8 @@ rank on another machine, is killed with `ray.kill`; then the placement groups ar
 
 Sockets: on a Ray started here, or a cluster whose nodes are all on loopback, the frontend binds
 127.0.0.1. On any other cluster it binds every interface and engines dial this node's IP
-(`ray.util.get_node_ip_address()`); the ZMQ sockets carry no authentication, so that cluster's network
-must be trusted.
+(`ray.util.get_node_ip_address()`); CURVE (on by default) admits only this run's engines and encrypts
+the traffic, see `nanoserve/wire/sockets.py`.
 
 The Ray connection is shared by every client in the process. Without `ray_address`, and not already
 connected, a local Ray is started (every CPU, no dashboard, a small object store: only handles and exit
@@ -243,7 +243,13 @@ class RayEngineManager:
         cpus = self.options.num_threads or 1
         per_rank = dataclasses.replace(self.options, num_threads=cpus)
         args = EngineCoreProcArgs(
-            per_rank, rank, addresses.input, addresses.output, addresses.stats, incarnation
+            per_rank,
+            rank,
+            addresses.input,
+            addresses.output,
+            addresses.stats,
+            incarnation,
+            curve=addresses.engine_curve(rank),
         )
         strategy = PlacementGroupSchedulingStrategy(
             self._placement_groups[rank], placement_group_bundle_index=0
