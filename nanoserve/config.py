@@ -18,6 +18,7 @@ CPU_KERNEL_MODES = ("auto", "off")
 START_METHODS = ("spawn", "forkserver", "fork")
 TRANSPORTS = ("ipc", "tcp")
 DP_BACKENDS = ("mp", "ray")
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass
@@ -80,6 +81,13 @@ class EngineOptions:
     ray_address: str | None = None
     """data_parallel_backend="ray": the Ray cluster to join; None starts a local one (or uses the Ray this
     process is already connected to)."""
+    ray_placement_strategy: str | None = None
+    """data_parallel_backend="ray": how Ray places the ranks' bundles (one per rank, in one placement
+    group): PACK (the default: as few nodes as fit), SPREAD, STRICT_PACK (one node) or STRICT_SPREAD
+    (every rank on its own node)."""
+    ray_ship_model: bool = False
+    """data_parallel_backend="ray": send the model's files through Ray's object store to each node
+    (models up to 2 GiB) instead of reading it at the same path on every node."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -137,8 +145,19 @@ class EngineOptions:
                 raise ValueError("data_parallel_rank is only meaningful with data_parallel_external_lb.")
             if not 0 <= rank < size:
                 raise ValueError(f"data_parallel_rank must be in [0, {size}), got {rank}.")
-        if self.ray_address is not None and self.data_parallel_backend != "ray":
-            raise ValueError("ray_address is only meaningful with data_parallel_backend='ray'.")
+        if self.data_parallel_backend != "ray":
+            for name, unset in (
+                ("ray_address", None),
+                ("ray_placement_strategy", None),
+                ("ray_ship_model", False),
+            ):
+                if getattr(self, name) != unset:
+                    raise ValueError(f"{name} is only meaningful with data_parallel_backend='ray'.")
+        strategy = self.ray_placement_strategy
+        if strategy is not None and strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"ray_placement_strategy must be one of {RAY_PLACEMENT_STRATEGIES}, got {strategy!r}."
+            )
         if self.data_parallel_backend == "ray" and not self.multiprocess_mode:
             raise ValueError("data_parallel_backend='ray' needs multiprocess_mode: each rank is a Ray actor.")
         if size > 1 and not self.multiprocess_mode:

@@ -13,8 +13,9 @@ overlaps the model step.
 Everything sent carries this start's `incarnation`, so the frontend can tell a restarted rank's messages
 from those still in flight from the one that died.
 Failure: any exception in the busy loop (or during start-up) sends `EngineCoreOutputs(death=...)`, then
-the single frame `ENGINE_CORE_DEAD`, flushes, and exits 1. SIGTERM/SIGINT: stop admitting, drain
-in-flight requests for `shutdown_timeout` seconds, abort the rest, exit 0. Over TCP all three sockets are CURVE
+the single frame `ENGINE_CORE_DEAD`, flushes, and exits 1. SIGTERM/SIGINT, or a SHUTDOWN request on the
+input socket (how the frontend asks a rank on another machine): stop admitting, drain in-flight
+requests for `shutdown_timeout` seconds, abort the rest, exit 0. Over TCP all three sockets are CURVE
 clients (`args.curve`): they reach only the run's frontend and coordinator. The process around it
 (entry point, signals, parent death) is `bootstrap.py`.
 """
@@ -260,6 +261,8 @@ class EngineCoreProc:
             self.engine.abort_requests(payload)
         elif request_type is EngineCoreRequestType.UTILITY:
             self._run_utility(payload)
+        elif request_type is EngineCoreRequestType.SHUTDOWN:
+            self.shutdown_requested = True
         elif isinstance(payload, BaseException):
             raise RuntimeError(
                 f"an engine core I/O thread failed: {type(payload).__name__}: {payload}"
@@ -305,6 +308,7 @@ class EngineCoreProc:
             EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY: MsgpackDecoder(EngineCoreUtilityRequest),
+            EngineCoreRequestType.SHUTDOWN: MsgpackDecoder(None),
         }
         stop = self.ctx.socket(zmq.PAIR)
         stop.connect(self._stop_address)

@@ -11,7 +11,15 @@ import argparse
 import importlib
 import sys
 
-from nanoserve.config import CPU_KERNEL_MODES, DP_BACKENDS, DTYPES, QUANTIZATIONS, RUNNERS, EngineOptions
+from nanoserve.config import (
+    CPU_KERNEL_MODES,
+    DP_BACKENDS,
+    DTYPES,
+    QUANTIZATIONS,
+    RAY_PLACEMENT_STRATEGIES,
+    RUNNERS,
+    EngineOptions,
+)
 
 SUBCOMMANDS: dict[str, str] = {
     "generate": "nanoserve.entrypoints.cli",
@@ -98,6 +106,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--ray-address", default=None, help="with --data-parallel-backend ray: the Ray cluster to join"
+    )
+    group.add_argument(
+        "--ray-placement-strategy",
+        choices=RAY_PLACEMENT_STRATEGIES,
+        default=None,
+        help="with --data-parallel-backend ray: PACK ranks onto few nodes (default), or STRICT_SPREAD one per "
+        "node, ...",
+    )
+    group.add_argument(
+        "--ray-ship-model",
+        action="store_true",
+        default=None,
+        help="with --data-parallel-backend ray: send the model through Ray's object store to every node "
+        "(up to 2 GiB) instead of reading it at the same path there",
     )
     group.add_argument(
         "--zmq-curve",

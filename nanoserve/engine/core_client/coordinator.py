@@ -9,8 +9,8 @@ Sockets (bound here, endpoints reported to the parent through a pipe at start):
            per `PUBLISH_INTERVAL_S`, and a heartbeat every `HEARTBEAT_INTERVAL_S` when nothing did.
 A frontend subscribes (`LoadSubscriber`) and folds the counts into its load balancer; they tell it
 about requests that other frontends sent to the same engines. Over TCP both sockets are CURVE servers
-with the run's server keys, and an authenticator here admits only the run's engines and frontend. Losing the coordinator costs only that:
-the engines' own outputs still carry their stats. It exits on SIGTERM, and when its parent is gone.
+with the run's server keys, and an authenticator here admits only the run's engines and frontend.
+Losing the coordinator costs only that: the engines' own outputs still carry their stats. It exits on SIGTERM, and when its parent is gone.
 """
 
 from __future__ import annotations

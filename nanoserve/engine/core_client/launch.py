@@ -1,8 +1,9 @@
 """Starting engine-core processes and waiting, under one deadline, until each is ready.
 
 The frontend binds the input ROUTER and the output PULL first (ipc:// in the temp dir by default,
-tcp:// on loopback with kernel-chosen ports when asked; over TCP authenticated and encrypted with CURVE,
-see `nanoserve/wire/sockets.py`), then starts one child per engine rank. Each child connects back and reports its phases on the ROUTER; the last report carries its
+tcp:// on loopback with kernel-chosen ports when asked; over TCP authenticated and encrypted with
+CURVE, see `nanoserve/wire/sockets.py`), then starts one child per engine rank. Each child connects
+back and reports its phases on the ROUTER; the last report carries its
 `EngineCoreReadyResponse`. One deadline (NANOSERVE_ENGINE_READY_TIMEOUT_S, default 600 s) covers spawn,
 imports, weight loading and KV sizing. A child that exits during start-up ends the wait at once with
 its exit code and, when it could still send it, its death record (read from the output PULL).
@@ -138,7 +139,10 @@ class EngineManager(Protocol):
     start_phase: str
     """What a rank is doing before it reports its first phase."""
 
-    def start(self, addresses: EngineZmqAddresses, ranks: list[int]) -> None: ...
+    def start(self, addresses: EngineZmqAddresses, ranks: list[int], engine_input: EngineInput) -> None:
+        """Start the ranks, which dial `addresses`; `engine_input` is the way to ask a rank to stop
+        where no signal reaches it (another machine)."""
+        ...
 
     def restart(self, rank: int, incarnation: int) -> None:
         """Start a rank again, as that incarnation, after its previous one ended (same rank, same
@@ -196,7 +200,7 @@ class EngineProcManager:
         """Held while spawning, and by shutdown to close: no child is started once shutdown has begun."""
         self._closed = False
 
-    def start(self, addresses: EngineZmqAddresses, ranks: list[int]) -> None:
+    def start(self, addresses: EngineZmqAddresses, ranks: list[int], engine_input: EngineInput) -> None:
         self._addresses = addresses
         for rank in ranks:
             self._spawn(rank, 0)

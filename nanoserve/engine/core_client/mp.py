@@ -220,7 +220,7 @@ class MPClient(EngineCoreClient):
                 host.endpoint(input_address), host.endpoint(output_address), keys=keys
             )
             router.start(resources, host, self.addresses)
-            manager.start(self.addresses, router.ranks)
+            manager.start(self.addresses, router.ranks, self.input)
             output_view = reader.sync_view()
             ready = wait_for_engine_startup(
                 self.input,
