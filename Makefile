@@ -25,6 +25,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check nanoserve tests
+	$(BIN)/ty check nanoserve
 	$(BIN)/pytest -q tests -m "not browser"
 
 # The web page's tests drive Debian's chromium through Playwright (never `playwright install`: no browser
@@ -38,6 +39,7 @@ test-web: $(STAMP) install-chromium
 
 lint: $(STAMP)
 	$(BIN)/ruff check nanoserve tests
+	$(BIN)/ty check nanoserve
 	$(BIN)/ruff format --check nanoserve tests
 
 bench: $(STAMP)

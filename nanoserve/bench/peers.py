@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from nanoserve.bench.throughput import load_transformers, make_prompts, summarize, time_nanoserve
 
@@ -63,9 +64,12 @@ def write_hf_folder(model_path: str, out_dir: Path) -> None:
 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     load_transformers(model_path, torch.bfloat16).save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(
+    tokenizer = AutoTokenizer.from_pretrained(
         os.path.dirname(model_path), gguf_file=os.path.basename(model_path)
-    ).save_pretrained(tmp)
+    )
+    if tokenizer is None:
+        raise RuntimeError(f"transformers found no tokenizer in {model_path}")
+    tokenizer.save_pretrained(tmp)
     tmp.rename(out_dir)
 
 
@@ -147,7 +151,9 @@ def run_system(system: str, spec_file: Path, log_dir: Path, timeout: float) -> d
     children of their own) and read back what it measured."""
     env = dict(os.environ)
     if system == "vllm":  # its best settings on this machine: all cores bound, Intel OpenMP preloaded
-        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        env.update(
+            VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0"
+        )
         iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
         if iomp.is_file():
             env["LD_PRELOAD"] = str(iomp)
@@ -167,7 +173,9 @@ def run_system(system: str, spec_file: Path, log_dir: Path, timeout: float) -> d
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    result = json.loads(result_file.read_text()) if result_file.exists() else {"tok_s": {}, "ttft_s": []}
+    result: dict[str, Any] = (
+        json.loads(result_file.read_text()) if result_file.exists() else {"tok_s": {}, "ttft_s": []}
+    )
     if proc.returncode == -signal.SIGKILL and not result.get("error"):
         result["error"] = f"timed out after {timeout:.0f} s"
     elif proc.returncode and not result.get("error"):

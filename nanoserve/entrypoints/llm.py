@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from typing import cast
 
 from tqdm.auto import tqdm
 
@@ -20,7 +21,6 @@ class LLM:
     """`LLM(model=None, **engine_options)`; model None selects the bundled SmolLM2-135M-Instruct."""
 
     def __init__(self, model: str | None = None, **options) -> None:
-        self.llm_engine: LLMEngine | None = None
         self.llm_engine = LLMEngine(EngineOptions.from_kwargs(model, **options))
         self._request_counter = itertools.count()
 
@@ -43,8 +43,8 @@ class LLM:
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list | tuple) and prompts and all(isinstance(t, int) for t in prompts)
         ):
-            prompts = [prompts]
-        return self._run(list(prompts), sampling_params, use_tqdm)
+            return self._run([cast(PromptType, prompts)], sampling_params, use_tqdm)
+        return self._run(list(cast(Sequence[PromptType], prompts)), sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -54,9 +54,12 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of {"role", "content"} dicts) or to each of many."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if messages and isinstance(messages[0], dict):
+            conversations = [cast(Conversation, messages)]
+        else:
+            conversations = list(cast(Sequence[Conversation], messages))
         processor = self.llm_engine.processor
-        prompts = [processor.render_chat(c, add_generation_prompt) for c in conversations]
+        prompts: list[PromptType] = [processor.render_chat(c, add_generation_prompt) for c in conversations]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _run(
@@ -106,9 +109,10 @@ class LLM:
         return [finished[request_id] for request_id in request_ids]
 
     def shutdown(self) -> None:
-        """Stop the engine; safe to call more than once."""
-        if self.llm_engine is not None:
-            self.llm_engine.shutdown()
+        """Stop the engine; safe to call more than once (and from __del__ after a failed __init__)."""
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None:
+            engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self

@@ -101,7 +101,7 @@ def quantization_error(method: str, device: torch.device, kernels: ModuleType | 
 
 def quantize_weight(weight: Tensor, bits: int, kernels: ModuleType | None) -> QuantizedWeight | None:
     """The weight for the best kernel available; None when its shape does not fit that kernel."""
-    if fast_kernels(kernels):
+    if kernels is not None and fast_kernels(kernels):
         return quantize_groups(weight, bits, kernels.quant_matmul)
     if bits == 4:
         return quantize_torch_int4(weight)
