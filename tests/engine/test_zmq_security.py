@@ -172,7 +172,9 @@ def test_peers_without_the_keys_get_nothing_through(tiny_gqa_dir, proxies):
             listener = stranger(zmq.SUB, frontend_ports["publish"], SUBSCRIBE=b"")
             # the coordinator publishes a heartbeat every second: plaintext would deliver some
             await asyncio.sleep(3)
-            await engine.wake_up()
+            await asyncio.wait_for(
+                engine.wake_up(), 60
+            )  # a stranger holding rank 0's identity would not answer
             got = await asyncio.wait_for(asyncio.gather(*tasks), 120)
             fresh = await count_tokens(engine, "after", 8)
 

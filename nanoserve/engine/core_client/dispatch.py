@@ -7,7 +7,6 @@ decides what they mean, in arrival order:
     watcher sees the process end;
   - a utility answer: completes the caller's future;
   - a death record: kept by the liveness, for whoever builds the death's error;
-  - a message that does not decode (a stranger's, which CURVE keeps out over TCP): logged and dropped;
   - anything else: outputs for the frontend, passed on (and entered in the replay ledger) only if they
     come from the rank's current incarnation. The check and the hand-over happen under the liveness
     lock, so a restart's replay and what the frontend was given always agree: a message of a dead
@@ -16,7 +15,6 @@ decides what they mean, in arrival order:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,8 +27,6 @@ from nanoserve.engine.core_client.utilities import UtilityCalls
 from nanoserve.engine.exceptions import EngineDeadError
 from nanoserve.wire.codec import MsgpackDecoder
 from nanoserve.wire.messages import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineDeathRecord
-
-logger = logging.getLogger(__name__)
 
 
 def is_death_frame(frames: Sequence[Any]) -> bool:
@@ -62,11 +58,7 @@ class OutputDispatch:
         if is_death_frame(frames):
             self._on_death_frame()
             return
-        try:
-            outputs: EngineCoreOutputs = self.decoder.decode(frames)
-        except Exception as e:  # not from one of our engines (possible without CURVE): never fatal
-            logger.error("dropped an undecodable message on the engine output socket: %s", e)
-            return
+        outputs: EngineCoreOutputs = self.decoder.decode(frames)
         rank, incarnation = outputs.engine_index, outputs.incarnation
         if outputs.utility_output is not None:
             self.utilities.resolve(outputs.utility_output)
