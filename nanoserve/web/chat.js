@@ -102,6 +102,17 @@ export class Chat {
     const view = views[1];
     this.controller = new AbortController();
     this.setBusy(true);
+    // deltas arrive far faster than frames: the text grows and scrolls once per frame, not per token
+    let unshown = "";
+    let frame = 0;
+    const show = () => {
+      cancelAnimationFrame(frame);
+      frame = 0;
+      if (!unshown) return;
+      view.content.append(unshown);
+      unshown = "";
+      view.root.scrollIntoView({ block: "end" });
+    };
     try {
       const response = await apiFetch("v1/chat/completions", {
         method: "POST",
@@ -115,8 +126,8 @@ export class Chat {
         const delta = choice.delta && choice.delta.content;
         if (delta) {
           reply.content += delta;
-          view.content.append(delta);
-          view.root.scrollIntoView({ block: "end" });
+          unshown += delta;
+          if (!frame) frame = requestAnimationFrame(show);
         }
         if (choice.finish_reason === "length") reply.note = "stopped at max tokens";
       });
@@ -138,6 +149,7 @@ export class Chat {
         this.notify.error(error);
       }
     } finally {
+      show();
       if (reply.status === "streaming") reply.status = "stopped";
       this.controller = null;
       this.setBusy(false);
