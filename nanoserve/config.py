@@ -23,6 +23,7 @@ SPECULATIVE_METHODS = ("none", "ngram")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 DEFAULT_PROMPT_LOOKUP_MAX = 4
 DEFAULT_PROMPT_LOOKUP_MIN = 2
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass
@@ -79,6 +80,10 @@ class EngineOptions:
     """How the multiprocess client starts engine-core processes (multiprocessing start method)."""
     transport: str = "ipc"
     """ipc: Unix sockets in the temp dir; tcp: loopback ports chosen by the kernel."""
+    zmq_curve: bool = True
+    """Authenticate and encrypt every tcp:// socket between frontend, engines and coordinator with
+    CurveZMQ (keys made per run); False sends plaintext to anyone who reaches the ports (a warning is
+    logged): only for a trusted network. ipc:// is never encrypted (its files guard it)."""
     shutdown_timeout: float = 0.0
     """Seconds an engine core keeps serving in-flight requests after SIGTERM before aborting them."""
     engine_restarts: int = 0
@@ -98,6 +103,13 @@ class EngineOptions:
     ray_address: str | None = None
     """data_parallel_backend="ray": the Ray cluster to join; None starts a local one (or uses the Ray this
     process is already connected to)."""
+    ray_placement_strategy: str | None = None
+    """data_parallel_backend="ray": how Ray places the ranks' bundles (one per rank, in one placement
+    group): PACK (the default: as few nodes as fit), SPREAD, STRICT_PACK (one node) or STRICT_SPREAD
+    (every rank on its own node)."""
+    ray_ship_model: bool = False
+    """data_parallel_backend="ray": send the model's files through Ray's object store to each node
+    (models up to 2 GiB) instead of reading it at the same path on every node."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -189,8 +201,19 @@ class EngineOptions:
                 raise ValueError("data_parallel_rank is only meaningful with data_parallel_external_lb.")
             if not 0 <= rank < size:
                 raise ValueError(f"data_parallel_rank must be in [0, {size}), got {rank}.")
-        if self.ray_address is not None and self.data_parallel_backend != "ray":
-            raise ValueError("ray_address is only meaningful with data_parallel_backend='ray'.")
+        if self.data_parallel_backend != "ray":
+            for name, unset in (
+                ("ray_address", None),
+                ("ray_placement_strategy", None),
+                ("ray_ship_model", False),
+            ):
+                if getattr(self, name) != unset:
+                    raise ValueError(f"{name} is only meaningful with data_parallel_backend='ray'.")
+        strategy = self.ray_placement_strategy
+        if strategy is not None and strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"ray_placement_strategy must be one of {RAY_PLACEMENT_STRATEGIES}, got {strategy!r}."
+            )
         if self.data_parallel_backend == "ray" and not self.multiprocess_mode:
             raise ValueError("data_parallel_backend='ray' needs multiprocess_mode: each rank is a Ray actor.")
         if size > 1 and not self.multiprocess_mode:

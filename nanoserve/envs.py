@@ -19,6 +19,10 @@ TORCH_PROFILER_DIR = "NANOSERVE_TORCH_PROFILER_DIR"
 KERNEL_DIR = "NANOSERVE_KERNEL_DIR"
 API_KEY = "NANOSERVE_API_KEY"
 
+PREFIX = "NANOSERVE_"
+FRONTEND_ONLY = (API_KEY,)
+"""Read by the frontend alone, and never sent to engines on other machines (the API key is a secret)."""
+
 DEFAULT_ENGINE_READY_TIMEOUT_S = 600.0
 """Spawn, imports, weight loading and KV sizing of the slowest engine, under one deadline."""
 
@@ -63,3 +67,9 @@ def kernel_dir() -> Path:
 def api_key() -> str | None:
     """The server's bearer token when --api-key is not given (also the benchmark client's default)."""
     return os.environ.get(API_KEY) or None
+
+
+def forwarded_to_engines() -> dict[str, str]:
+    """The NANOSERVE_* variables set here that an engine started elsewhere (a Ray actor, whose
+    environment is its node's) must see as a child process would."""
+    return {k: v for k, v in os.environ.items() if k.startswith(PREFIX) and k not in FRONTEND_ONLY}

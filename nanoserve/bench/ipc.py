@@ -5,7 +5,9 @@ InprocClient, SyncMPClient and AsyncMPClient, and in the same run measures raw p
 ipc:// from a child process, received three ways: directly, through a thread and `queue.Queue` (what
 SyncMPClient does), and through `zmq.asyncio` (what AsyncMPClient does). Prints outputs/s (one per
 request per step), messages/s (`EngineCoreOutputs` per second), requests/s, and each client's
-outputs/s as a fraction of the raw baseline of its kind.
+outputs/s as a fraction of the raw baseline of its kind, and the round-trip latency of one utility call
+(frontend -> engine -> frontend) through SyncMPClient. With `--transport tcp` the engine sockets speak
+CURVE unless `--no-zmq-curve`: run both to see what the encryption costs.
 
 `--data-parallel-size 1 2 4` instead times the sync and asyncio clients `LLM` / the server would use with
 that many model-free engines (SyncMPClient / AsyncMPClient for one, DPLBSyncMPClient / DPLBAsyncMPClient
@@ -166,6 +168,16 @@ async def _run_async_client(name: str, client, reqs: list[EngineCoreRequest]) ->
     return Result(name, time.perf_counter() - start, messages, outputs, finished)
 
 
+def round_trip_us(client, calls: int = 2000) -> float:
+    """Median microseconds of one `echo` utility call: a request out and its answer back, nothing else."""
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        client.call_utility("echo", 0)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e6
+
+
 def _median(results: list[Result]) -> Result:
     return sorted(results, key=lambda r: r.seconds)[len(results) // 2]
 
@@ -203,17 +215,25 @@ def _time_async(make_client, num_requests: int, max_tokens: int, repeats: int) -
 
 def bench_clients(
     options: EngineOptions, num_requests: int, max_tokens: int, repeats: int
-) -> dict[str, Result]:
+) -> tuple[dict[str, Result], float]:
+    """Each client's result, and SyncMPClient's median utility round trip in microseconds."""
     from nanoserve.engine.core_client.async_mp import AsyncMPClient
     from nanoserve.engine.core_client.inproc import InprocClient
     from nanoserve.engine.core_client.sync_mp import SyncMPClient
 
     timing = (num_requests, max_tokens, repeats)
-    return {
+    sync_client = SyncMPClient(options)
+    try:
+        latency = round_trip_us(sync_client)
+    except BaseException:
+        sync_client.shutdown()
+        raise
+    clients = {
         "InprocClient": _time_sync(InprocClient(options), *timing),
-        "SyncMPClient": _time_sync(SyncMPClient(options), *timing),
+        "SyncMPClient": _time_sync(sync_client, *timing),
         "AsyncMPClient": _time_async(lambda: AsyncMPClient(options), *timing),
     }
+    return clients, latency
 
 
 def bench_data_parallel(
@@ -289,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per path (the median is shown)")
     parser.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
     parser.add_argument(
+        "--zmq-curve",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --transport tcp: CurveZMQ on the engine sockets (the default, as in serving)",
+    )
+    parser.add_argument(
         "--data-parallel-size",
         type=int,
         nargs="+",
@@ -297,24 +323,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    options = EngineOptions(runner="null", max_num_seqs=max(args.num_requests, 1), transport=args.transport)
+    options = EngineOptions(
+        runner="null",
+        max_num_seqs=max(args.num_requests, 1),
+        transport=args.transport,
+        zmq_curve=args.zmq_curve,
+    )
+    wire = args.transport if args.transport == "ipc" else f"tcp, curve {'on' if args.zmq_curve else 'off'}"
     if args.data_parallel_size:
         results = bench_data_parallel(
             options, args.data_parallel_size, args.num_requests, args.max_tokens, args.repeats
         )
         print(
             f"null runner, {args.num_requests} concurrent requests x {args.max_tokens} outputs over "
-            f"{args.transport}; median of {args.repeats} runs; scale = outputs/s vs the first engine count"
+            f"{wire}; median of {args.repeats} runs; scale = outputs/s vs the first engine count"
         )
         print(report_data_parallel(results))
         return 0
     raw = bench_raw(args.raw_messages, args.repeats)
-    clients = bench_clients(options, args.num_requests, args.max_tokens, args.repeats)
+    clients, latency = bench_clients(options, args.num_requests, args.max_tokens, args.repeats)
     print(
-        f"null runner, {args.num_requests} concurrent requests x {args.max_tokens} outputs; "
+        f"null runner, {args.num_requests} concurrent requests x {args.max_tokens} outputs over {wire}; "
         f"raw: {args.raw_messages} one-output messages over ipc; median of {args.repeats} runs"
     )
     print(report(raw, clients))
+    print(f"SyncMPClient utility round trip (median of 2000): {latency:.0f} us")
     return 0
 
 

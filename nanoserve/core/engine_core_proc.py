@@ -13,8 +13,10 @@ overlaps the model step.
 Everything sent carries this start's `incarnation`, so the frontend can tell a restarted rank's messages
 from those still in flight from the one that died.
 Failure: any exception in the busy loop (or during start-up) sends `EngineCoreOutputs(death=...)`, then
-the single frame `ENGINE_CORE_DEAD`, flushes, and exits 1. SIGTERM/SIGINT: stop admitting, drain
-in-flight requests for `shutdown_timeout` seconds, abort the rest, exit 0. The process around it
+the single frame `ENGINE_CORE_DEAD`, flushes, and exits 1. SIGTERM/SIGINT, or a SHUTDOWN request on the
+input socket (how the frontend asks a rank on another machine): stop admitting, drain in-flight
+requests for `shutdown_timeout` seconds, abort the rest, exit 0. Over TCP all three sockets are CURVE
+clients (`args.curve`): they reach only the run's frontend and coordinator. The process around it
 (entry point, signals, parent death) is `bootstrap.py`.
 """
 
@@ -55,6 +57,7 @@ from nanoserve.wire.messages import (
     UtilityOutput,
     engine_identity,
 )
+from nanoserve.wire.sockets import CurveClient, connect_socket
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,8 @@ class EngineCoreProcArgs:
     """How many times this rank was started before (restarts after deaths)."""
     frontend_pid: int | None = None
     """The process this one must not outlive; None under Ray (an actor dies with its owner)."""
+    curve: CurveClient | None = None
+    """Over TCP: this rank's CURVE key pair and the frontend's public key (None: plaintext, or ipc)."""
 
 
 def death_record(engine_rank: int, exc: BaseException) -> EngineDeathRecord:
@@ -98,21 +103,22 @@ class EngineCoreProc:
         self.incarnation = args.incarnation
         self.engine: Any = None
         self.ctx = zmq.Context()
-        self.input_socket = self.ctx.socket(zmq.DEALER)
-        self.input_socket.setsockopt(zmq.IDENTITY, engine_identity(args.engine_rank))
-        self.input_socket.setsockopt(zmq.RCVHWM, 0)
-        self.input_socket.setsockopt(zmq.SNDHWM, 0)
-        self.input_socket.setsockopt(zmq.LINGER, 0)
-        self.input_socket.connect(args.input_address)
-        self.output_socket = self.ctx.socket(zmq.PUSH)
-        self.output_socket.setsockopt(zmq.SNDHWM, 0)
-        self.output_socket.setsockopt(zmq.LINGER, OUTPUT_LINGER_MS)
-        self.output_socket.connect(args.output_address)
+        identity = engine_identity(args.engine_rank)
+        self.input_socket = connect_socket(
+            self.ctx,
+            zmq.DEALER,
+            args.input_address,
+            args.curve,
+            {zmq.IDENTITY: identity, zmq.RCVHWM: 0, zmq.SNDHWM: 0, zmq.LINGER: 0},
+        )
+        self.output_socket = connect_socket(
+            self.ctx, zmq.PUSH, args.output_address, args.curve, {zmq.SNDHWM: 0, zmq.LINGER: OUTPUT_LINGER_MS}
+        )
         self.stats_socket: zmq.Socket | None = None
         if args.stats_address is not None:
-            self.stats_socket = self.ctx.socket(zmq.PUSH)
-            self.stats_socket.setsockopt(zmq.LINGER, 0)
-            self.stats_socket.connect(args.stats_address)
+            self.stats_socket = connect_socket(
+                self.ctx, zmq.PUSH, args.stats_address, args.curve, {zmq.LINGER: 0}
+            )
         self._phase_encoder = MsgpackEncoder()
 
         self.input_queue: queue.Queue = queue.Queue()
@@ -255,6 +261,8 @@ class EngineCoreProc:
             self.engine.abort_requests(payload)
         elif request_type is EngineCoreRequestType.UTILITY:
             self._run_utility(payload)
+        elif request_type is EngineCoreRequestType.SHUTDOWN:
+            self.shutdown_requested = True
         elif isinstance(payload, BaseException):
             raise RuntimeError(
                 f"an engine core I/O thread failed: {type(payload).__name__}: {payload}"
@@ -300,6 +308,7 @@ class EngineCoreProc:
             EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY: MsgpackDecoder(EngineCoreUtilityRequest),
+            EngineCoreRequestType.SHUTDOWN: MsgpackDecoder(None),
         }
         stop = self.ctx.socket(zmq.PAIR)
         stop.connect(self._stop_address)

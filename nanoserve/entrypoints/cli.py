@@ -17,6 +17,7 @@ from nanoserve.config import (
     DTYPES,
     MATMUL_CHOICES,
     QUANTIZATIONS,
+    RAY_PLACEMENT_STRATEGIES,
     RUNNERS,
     SPECULATIVE_METHODS,
     EngineOptions,
@@ -128,6 +129,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--ray-address", default=None, help="with --data-parallel-backend ray: the Ray cluster to join"
+    )
+    group.add_argument(
+        "--ray-placement-strategy",
+        choices=RAY_PLACEMENT_STRATEGIES,
+        default=None,
+        help="with --data-parallel-backend ray: PACK ranks onto few nodes (default), or STRICT_SPREAD one per "
+        "node, ...",
+    )
+    group.add_argument(
+        "--ray-ship-model",
+        action="store_true",
+        default=None,
+        help="with --data-parallel-backend ray: send the model through Ray's object store to every node "
+        "(up to 2 GiB) instead of reading it at the same path there",
+    )
+    group.add_argument(
+        "--zmq-curve",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="authenticate and encrypt the engine sockets over TCP with CurveZMQ (default: on); "
+        "--no-zmq-curve sends plaintext, for a trusted network only",
     )
 
 

@@ -36,6 +36,8 @@ class EngineCoreRequestType(bytes, enum.Enum):
     ADD = b"\x00"
     ABORT = b"\x01"
     UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"
+    """Payload None: drain as on SIGTERM, then exit (a rank on another machine gets no signal from us)."""
 
 
 class FinishReason(enum.IntEnum):

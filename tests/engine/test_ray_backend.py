@@ -2,8 +2,7 @@
 
 Each node has one CPU, so the two ranks (one CPU each) land on different nodes, as they would on two
 machines. Timeouts are generous: placing and starting an actor takes seconds on an idle machine and a
-lot longer on a loaded one. Everything stays on loopback: the nodes are given 127.0.0.1, and the variable below makes Ray
-resolve this machine's address to 127.0.0.1 too (it must be set before Ray is imported).
+lot longer on a loaded one. Nodes lost under load: `test_ray_nodes.py`.
 """
 
 from __future__ import annotations
@@ -12,12 +11,13 @@ import asyncio
 import os
 import time
 
-import psutil
 import pytest
 from streams import count_tokens, spread_endless_requests, utilities_to_rank
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is imported
 ray = pytest.importorskip("ray")
+
+from ray_cluster import assert_ray_released, local_cluster  # noqa: E402
 
 from nanoserve.engine.async_llm import AsyncLLM  # noqa: E402
 from nanoserve.engine.core_client.dp import DPLBAsyncMPClient  # noqa: E402
@@ -28,41 +28,8 @@ from nanoserve.sampling_params import SamplingParams  # noqa: E402
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from ray.cluster_utils import Cluster
-
-    node = dict(num_cpus=1, object_store_memory=100 * 1024 * 1024, node_ip_address="127.0.0.1")
-    cluster = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
-    try:
-        cluster.add_node(**node)
-        ray.init(address=cluster.address, log_to_driver=False)
+    with local_cluster(2) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
-def assert_ray_released(timeout: float = 10.0) -> None:
-    """No placement group, no engine actor process, every CPU free again."""
-    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
-    deadline = time.monotonic() + timeout
-    while True:
-        actors = [
-            p.pid
-            for p in psutil.Process().children(recursive=True)
-            if "EngineCoreActor" in " ".join(_cmdline(p))
-        ]
-        free = ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
-        if not actors and free:
-            return
-        assert time.monotonic() < deadline, f"engine actors {actors} or their CPUs outlived the client"
-        time.sleep(0.1)
-
-
-def _cmdline(proc: psutil.Process) -> list[str]:
-    try:
-        return proc.cmdline()
-    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-        return []
 
 
 @pytest.mark.timeout(240)
@@ -168,4 +135,79 @@ def test_a_killed_actor_is_restarted_and_its_requests_resume(ray_cluster, tiny_g
             engine.shutdown()
 
     asyncio.run(main())
+    assert_ray_released()
+
+
+# -- what the actors get, and how they stop ---------------------------------------------------------
+
+
+def test_engines_get_the_nanoserve_variables_but_not_the_api_key(monkeypatch):
+    from nanoserve import envs
+    from nanoserve.engine.core_client.ray_launch import engine_environment
+
+    monkeypatch.setenv("NANOSERVE_KERNEL_DIR", "/somewhere")
+    monkeypatch.setenv(envs.API_KEY, "secret-token")
+    monkeypatch.setenv("UNRELATED_VARIABLE", "x")
+    env = engine_environment()
+    assert env["NANOSERVE_KERNEL_DIR"] == "/somewhere" and envs.LOGGING_LEVEL in env
+    assert envs.API_KEY not in env and "UNRELATED_VARIABLE" not in env
+    assert all(name.startswith("NANOSERVE_") for name in env)
+
+
+@pytest.mark.timeout(240)
+def test_a_shipped_model_serves_as_the_local_one(ray_cluster, tiny_gqa_dir):
+    from nanoserve.entrypoints.llm import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    sizes = dict(num_kv_blocks=64, max_model_len=256)
+    one = LLM(str(tiny_gqa_dir), multiprocess_mode=False, **sizes)
+    try:
+        expected = [o.outputs[0].token_ids for o in one.generate(["Hello there"], params, use_tqdm=False)]
+    finally:
+        one.llm_engine.shutdown()
+    llm = LLM(str(tiny_gqa_dir), data_parallel_backend="ray", ray_ship_model=True, **sizes)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(["Hello there"], params, use_tqdm=False)]
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == expected
+    assert_ray_released()
+
+
+def test_a_model_missing_on_a_node_names_the_node(ray_cluster, tmp_path):
+    from nanoserve.config import EngineOptions
+    from nanoserve.core.engine_core_proc import EngineCoreProcArgs
+    from nanoserve.engine.core_client.ray_actor import EngineCoreActor
+
+    missing = str(tmp_path / "not-here")
+    args = EngineCoreProcArgs(
+        EngineOptions(runner="null", model=missing), 0, "tcp://x:1", "tcp://x:2", None, 0
+    )
+    with pytest.raises((FileNotFoundError, ValueError), match="On Ray node 127.0.0.1 .*ray-ship-model"):
+        EngineCoreActor(args).local_model_path()
+
+
+@pytest.mark.timeout(180)
+def test_a_remote_rank_asked_to_stop_drains_then_returns_zero(ray_cluster):
+    """What shutdown sends each actor (no signal reaches another machine): SHUTDOWN on its input."""
+    from nanoserve.config import EngineOptions
+    from nanoserve.engine.core_client.sync_mp import SyncMPClient
+    from nanoserve.wire.messages import EngineCoreRequest, EngineCoreRequestType, FinishReason
+
+    client = SyncMPClient(EngineOptions(runner="null", data_parallel_backend="ray", shutdown_timeout=30))
+    try:
+        manager = client.resources.engine_manager
+        params = SamplingParams(max_tokens=300, ignore_eos=True)
+        client.add_request(EngineCoreRequest("d", [1, 2], params))
+        num_tokens = len(client.get_output(timeout=30).outputs[0].new_token_ids)
+        client.input.send(0, EngineCoreRequestType.SHUTDOWN, None)
+        reason = None
+        while reason is None:
+            for out in client.get_output(timeout=30).outputs:
+                num_tokens += len(out.new_token_ids)
+                reason = out.finish_reason
+        assert reason == FinishReason.LENGTH and num_tokens == 300  # finished, not aborted
+        assert manager.wait(0, 30) == 0
+    finally:
+        client.shutdown()
     assert_ray_released()

@@ -21,10 +21,10 @@ import zmq
 import zmq.asyncio
 
 from nanoserve.config import EngineOptions
-from nanoserve.engine.core_client.launch import make_socket
 from nanoserve.engine.core_client.mp import MPClient
 from nanoserve.engine.core_client.router import EngineRouter, RankDeath, SingleRankRouter
 from nanoserve.wire.messages import EngineCoreOutputs, EngineCoreRequest
+from nanoserve.wire.sockets import CurveServer, bind_socket
 
 LOOP_STOP_WAIT_S = 1.0
 """How long shutdown waits for the reader's loop to cancel the task and close its socket; past that
@@ -49,9 +49,11 @@ class AsyncOutputReader:
         self._dispatch: Callable[[list], None] | None = None
         self._on_failure: Callable[[Exception], None] | None = None
 
-    def open(self, ctx: zmq.Context, transport: str, host: str) -> tuple[str, str | None]:
-        self.socket, endpoint, path = make_socket(
-            zmq.asyncio.Context.shadow(ctx.underlying), zmq.PULL, transport, host
+    def open(
+        self, ctx: zmq.Context, transport: str, host: str, curve: CurveServer | None
+    ) -> tuple[str, str | None]:
+        self.socket, endpoint, path = bind_socket(
+            zmq.asyncio.Context.shadow(ctx.underlying), zmq.PULL, transport, host, curve
         )
         return endpoint, path
 

@@ -8,8 +8,9 @@ Sockets (bound here, endpoints reported to the parent through a pipe at start):
   publish  PUB. Sends a `DPLoadUpdate` (every rank's latest load) when something changed, at most once
            per `PUBLISH_INTERVAL_S`, and a heartbeat every `HEARTBEAT_INTERVAL_S` when nothing did.
 A frontend subscribes (`LoadSubscriber`) and folds the counts into its load balancer; they tell it
-about requests that other frontends sent to the same engines. Losing the coordinator costs only that:
-the engines' own outputs still carry their stats. It exits on SIGTERM, and when its parent is gone.
+about requests that other frontends sent to the same engines. Over TCP both sockets are CURVE servers
+with the run's server keys, and an authenticator here admits only the run's engines and frontend.
+Losing the coordinator costs only that: the engines' own outputs still carry their stats. It exits on SIGTERM, and when its parent is gone.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from typing import cast
 
 import zmq
 
-from nanoserve.engine.core_client.launch import make_socket, start_process
+from nanoserve.engine.core_client.launch import start_process
 from nanoserve.wire.codec import MsgpackDecoder, MsgpackEncoder
 from nanoserve.wire.messages import DPLoadUpdate, EngineLoad
+from nanoserve.wire.sockets import CurveClient, CurveServer, bind_socket, connect_socket, start_authenticator
 
 PUBLISH_INTERVAL_S = 0.1
 HEARTBEAT_INTERVAL_S = 1.0
@@ -44,14 +46,18 @@ def should_publish(changed: bool, now: float, last_publish: float) -> bool:
     return (changed and since >= PUBLISH_INTERVAL_S) or since >= HEARTBEAT_INTERVAL_S
 
 
-def run_coordinator(ranks: list[int], transport: str, conn, parent_pid: int, stats_host: str) -> None:
+def run_coordinator(
+    ranks: list[int], transport: str, conn, parent_pid: int, stats_host: str, curve: CurveServer | None
+) -> None:
     """Target of the coordinator process."""
     ctx = zmq.Context()
-    sockets, paths = [], []
+    auth, sockets, paths = None, [], []
     try:
-        pull, stats_address, stats_path = make_socket(ctx, zmq.PULL, transport, stats_host)
+        if curve is not None:
+            auth = start_authenticator(ctx, curve)
+        pull, stats_address, stats_path = bind_socket(ctx, zmq.PULL, transport, stats_host, curve)
         sockets.append(pull)
-        pub, publish_address, publish_path = make_socket(ctx, zmq.PUB, transport)
+        pub, publish_address, publish_path = bind_socket(ctx, zmq.PUB, transport, curve=curve)
         sockets.append(pub)
         paths = [p for p in (stats_path, publish_path) if p]
         conn.send((stats_address, publish_address))
@@ -60,6 +66,8 @@ def run_coordinator(ranks: list[int], transport: str, conn, parent_pid: int, sta
     finally:
         for sock in sockets:
             sock.close(linger=0)
+        if auth is not None:
+            auth.stop()
         ctx.term()
         for path in paths:
             with contextlib.suppress(FileNotFoundError):
@@ -103,11 +111,16 @@ def _alive(pid: int) -> bool:
 
 
 def start_coordinator(
-    ranks: list[int], transport: str, start_method: str, stats_host: str = "127.0.0.1"
+    ranks: list[int],
+    transport: str,
+    start_method: str,
+    stats_host: str = "127.0.0.1",
+    curve: CurveServer | None = None,
 ) -> tuple[BaseProcess, str, str]:
-    """Start the coordinator; returns it with its stats and publish endpoints (as bound)."""
+    """Start the coordinator; returns it with its stats and publish endpoints (as bound). Its keys
+    travel in the process arguments (pickled through the start pipe, never on a command line)."""
     parent_conn, child_conn = multiprocessing.get_context(start_method).Pipe(duplex=False)
-    args = (list(ranks), transport, child_conn, os.getpid(), stats_host)
+    args = (list(ranks), transport, child_conn, os.getpid(), stats_host, curve)
     proc = start_process(start_method, run_coordinator, "DPCoordinator", args)
     child_conn.close()
     try:
@@ -141,11 +154,10 @@ class LoadSubscriber:
         address: str,
         on_update: Callable[[DPLoadUpdate], None],
         is_closing: Callable[[], bool],
+        curve: CurveClient | None = None,
     ) -> None:
-        self.sock = ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.connect(address)
+        self.address = address
+        self.sock = connect_socket(ctx, zmq.SUB, address, curve, {zmq.LINGER: 0, zmq.SUBSCRIBE: b""})
         self.thread = threading.Thread(
             target=self._run, args=(on_update, is_closing), name="DPLoadSubscriber", daemon=True
         )

@@ -243,8 +243,13 @@ class BalancedRouter:
 
     def start(self, resources: BackgroundResources, host: SocketHost, addresses: EngineZmqAddresses) -> None:
         """Start the coordinator before the engines: they connect to its stats socket."""
+        keys = addresses.keys
         proc, stats_address, publish_address = start_coordinator(
-            self.ranks, host.transport, self.options.engine_start_method, host.bind
+            self.ranks,
+            host.transport,
+            self.options.engine_start_method,
+            host.bind,
+            None if keys is None else keys.server_side(),
         )
         resources.coordinator = proc
         resources.ipc_paths += [
@@ -252,7 +257,11 @@ class BalancedRouter:
         ]
         addresses.stats = host.endpoint(stats_address)
         self.load_subscriber = LoadSubscriber(
-            resources.ctx, publish_address, self.balancer.apply_update, lambda: resources.closed
+            resources.ctx,
+            publish_address,
+            self.balancer.apply_update,
+            lambda: resources.closed,
+            None if keys is None else keys.frontend_client(),
         )
         resources.own(self.load_subscriber.thread)
 

@@ -1,8 +1,9 @@
 """Starting engine-core processes and waiting, under one deadline, until each is ready.
 
 The frontend binds the input ROUTER and the output PULL first (ipc:// in the temp dir by default,
-tcp:// on loopback with kernel-chosen ports when asked), then starts one child per engine rank. Each
-child connects back and reports its phases on the ROUTER; the last report carries its
+tcp:// on loopback with kernel-chosen ports when asked; over TCP authenticated and encrypted with
+CURVE, see `nanoserve/wire/sockets.py`), then starts one child per engine rank. Each child connects
+back and reports its phases on the ROUTER; the last report carries its
 `EngineCoreReadyResponse`. One deadline (NANOSERVE_ENGINE_READY_TIMEOUT_S, default 600 s) covers spawn,
 imports, weight loading and KV sizing. A child that exits during start-up ends the wait at once with
 its exit code and, when it could still send it, its death record (read from the output PULL).
@@ -23,14 +24,12 @@ import multiprocessing.connection
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol
 
 import zmq
 
@@ -46,6 +45,7 @@ from nanoserve.wire.messages import (
     EngineDeathRecord,
     EngineHandshakePhase,
 )
+from nanoserve.wire.sockets import CurveClient, RunKeys
 
 logger = logging.getLogger(__name__)
 
@@ -99,38 +99,34 @@ class SocketHost:
 
 @dataclass
 class EngineZmqAddresses:
+    """Where engines dial the frontend (and the coordinator), and the keys they dial with."""
+
     input: str
     output: str
     ipc_paths: list[str] = field(default_factory=list)
     """Socket files to unlink at shutdown."""
     stats: str | None = None
     """Data parallel: the coordinator's PULL, where each engine pushes its load."""
+    keys: RunKeys | None = None
+    """CURVE keys of the run (tcp:// unless turned off); None: plaintext, or ipc://."""
+
+    def engine_curve(self, rank: int) -> CurveClient | None:
+        """What engine `rank` needs to reach the frontend's sockets, if they speak CURVE."""
+        return None if self.keys is None else self.keys.engine(rank)
 
 
-SocketT = TypeVar("SocketT", bound=zmq.Socket)
-
-
-def make_socket(
-    ctx: zmq.Context[SocketT], socket_type: int, transport: str, host: str = "127.0.0.1"
-) -> tuple[SocketT, str, str | None]:
-    """Bind a socket of `socket_type` and return it, its resolved endpoint and its ipc file, if any.
-    Every socket the frontend side binds (engine sockets, the coordinator's) is made here."""
-    sock = ctx.socket(socket_type)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.LINGER, 0)
-    path = None
-    try:
-        if transport == "tcp":
-            sock.bind(f"tcp://{host}:0")
-        else:
-            path = os.path.join(tempfile.gettempdir(), f"nanoserve-{uuid.uuid4().hex[:16]}")
-            sock.bind(f"ipc://{path}")
-    except BaseException:
-        sock.close(linger=0)
-        raise
-    endpoint = cast(bytes, sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
-    return sock, endpoint, path
+def run_keys(options: EngineOptions, transport: str, ranks: list[int]) -> RunKeys | None:
+    """This run's CURVE keys: over TCP unless `zmq_curve` is off (which is logged as a warning); none
+    over ipc://, whose socket files only this user can open."""
+    if transport != "tcp":
+        return None
+    if not options.zmq_curve:
+        logger.warning(
+            "zmq_curve is off: the engine sockets on TCP carry prompts and outputs in plaintext and accept "
+            "any peer that reaches their ports; use this only on a trusted network."
+        )
+        return None
+    return RunKeys.generate(ranks)
 
 
 class EngineManager(Protocol):
@@ -143,7 +139,10 @@ class EngineManager(Protocol):
     start_phase: str
     """What a rank is doing before it reports its first phase."""
 
-    def start(self, addresses: EngineZmqAddresses, ranks: list[int]) -> None: ...
+    def start(self, addresses: EngineZmqAddresses, ranks: list[int], engine_input: EngineInput) -> None:
+        """Start the ranks, which dial `addresses`; `engine_input` is the way to ask a rank to stop
+        where no signal reaches it (another machine)."""
+        ...
 
     def restart(self, rank: int, incarnation: int) -> None:
         """Start a rank again, as that incarnation, after its previous one ended (same rank, same
@@ -201,7 +200,7 @@ class EngineProcManager:
         """Held while spawning, and by shutdown to close: no child is started once shutdown has begun."""
         self._closed = False
 
-    def start(self, addresses: EngineZmqAddresses, ranks: list[int]) -> None:
+    def start(self, addresses: EngineZmqAddresses, ranks: list[int], engine_input: EngineInput) -> None:
         self._addresses = addresses
         for rank in ranks:
             self._spawn(rank, 0)
@@ -227,6 +226,7 @@ class EngineProcManager:
             addresses.stats,
             incarnation,
             frontend_pid=os.getpid(),
+            curve=addresses.engine_curve(rank),
         )
         self.procs[rank] = start_process(
             options.engine_start_method, run_engine_core, f"EngineCore_{rank}", (args,)

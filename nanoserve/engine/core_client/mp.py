@@ -1,7 +1,9 @@
 """MPClient: the shared half of the multiprocess clients (engine cores in child processes or Ray actors).
 
 Sockets (bound here; engines connect): the input ROUTER (`EngineInput`) sends `[identity, request_type,
-*payload]`, the identity naming the rank; the output PULL receives encoded `EngineCoreOutputs`.
+*payload]`, the identity naming the rank; the output PULL receives encoded `EngineCoreOutputs`. Over
+TCP both are CURVE servers and a ZAP authenticator on the client's context admits only this run's
+engines (`nanoserve/wire/sockets.py`).
 
 A client is composed of parts that know nothing of it, so that its finalizer can run while they live:
   reader      the transport from the output socket to the frontend: a thread and a `queue.Queue`
@@ -40,6 +42,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from nanoserve.config import EngineOptions
 from nanoserve.engine.core_client.base import EngineCoreClient
@@ -49,8 +52,8 @@ from nanoserve.engine.core_client.launch import (
     EngineManager,
     EngineZmqAddresses,
     make_engine_manager,
-    make_socket,
     read_death_record,
+    run_keys,
     wait_for_engine_startup,
 )
 from nanoserve.engine.core_client.ledger import ReplayLedger
@@ -66,6 +69,7 @@ from nanoserve.wire.messages import (
     EngineCoreRequestType,
     EngineCoreUtilityRequest,
 )
+from nanoserve.wire.sockets import CurveServer, bind_socket, start_authenticator
 
 FutureT = TypeVar("FutureT", bound=Future)
 
@@ -77,7 +81,9 @@ class OutputReader(Protocol):
     thread: threading.Thread | None
     """The reader's own thread, if it has one."""
 
-    def open(self, ctx: zmq.Context, transport: str, host: str) -> tuple[str, str | None]:
+    def open(
+        self, ctx: zmq.Context, transport: str, host: str, curve: CurveServer | None
+    ) -> tuple[str, str | None]:
         """Bind the output PULL socket; returns its endpoint and ipc file."""
         ...
 
@@ -110,6 +116,8 @@ class BackgroundResources:
     liveness: EngineLiveness
     reader: OutputReader
     input: EngineInput | None = None
+    authenticator: ThreadAuthenticator | None = None
+    """Over CURVE: admits this run's engines to the client's sockets (stopped before the context ends)."""
     engine_manager: EngineManager | None = None
     coordinator: BaseProcess | None = None
     """Data parallel: the process that publishes every rank's load to the frontends."""
@@ -148,6 +156,8 @@ class BackgroundResources:
         self.reader.stop()
         if self.input is not None:
             self.input.close()
+        if self.authenticator is not None:
+            self.authenticator.stop()
         self.ctx.term()
         for path in self.ipc_paths:
             with contextlib.suppress(FileNotFoundError):
@@ -195,13 +205,22 @@ class MPClient(EngineCoreClient):
             ctx = resources.ctx
             manager = resources.engine_manager = make_engine_manager(options)
             host = manager.host
-            input_socket, input_address, input_path = make_socket(ctx, zmq.ROUTER, host.transport, host.bind)
+            keys = run_keys(options, host.transport, router.ranks)
+            curve = None if keys is None else keys.server_side()
+            if curve is not None:
+                resources.authenticator = start_authenticator(ctx, curve)
+                resources.own(resources.authenticator.thread)
+            input_socket, input_address, input_path = bind_socket(
+                ctx, zmq.ROUTER, host.transport, host.bind, curve
+            )
             self.input = resources.input = EngineInput(input_socket)
-            output_address, output_path = reader.open(ctx, host.transport, host.bind)
+            output_address, output_path = reader.open(ctx, host.transport, host.bind, curve)
             resources.ipc_paths = [p for p in (input_path, output_path) if p]
-            self.addresses = EngineZmqAddresses(host.endpoint(input_address), host.endpoint(output_address))
+            self.addresses = EngineZmqAddresses(
+                host.endpoint(input_address), host.endpoint(output_address), keys=keys
+            )
             router.start(resources, host, self.addresses)
-            manager.start(self.addresses, router.ranks)
+            manager.start(self.addresses, router.ranks, self.input)
             output_view = reader.sync_view()
             ready = wait_for_engine_startup(
                 self.input,

@@ -2,33 +2,36 @@
 
 `RayEngineManager` does for Ray what `EngineProcManager` does for child processes, behind the same
 `EngineManager` interface, so every client (one engine, balanced ranks, one rank behind an external
-balancer) runs on either. Each rank gets a placement group of one bundle of `num_threads` CPUs (default
-1, which the engine then uses as its torch threads) and an `EngineCoreActor` in it. The actor runs the
-engine core exactly as a child process does (`EngineCoreProc`: build, I/O threads, busy loop) in its
-main thread: the engine's signal handling needs the main thread, which Ray gives to the methods of a
-plain (not threaded, not async) actor. It dials the frontend's sockets over TCP, so readiness still
-comes through the ZMQ handshake.
+balancer) runs on either. The ranks share one placement group with a bundle of `num_threads` CPUs
+(default 1, which the engine then uses as its torch threads) per rank, placed by
+`ray_placement_strategy`: PACK (default) fills few nodes, STRICT_SPREAD puts every rank on its own node.
+Each rank is an `EngineCoreActor` (`ray_actor.py`) in its bundle, started with its arguments (options,
+the frontend's addresses, its CURVE keys) and, with `ray_ship_model`, the model's files, all through
+Ray; its environment gets this process's NANOSERVE_* variables (not the API key) and the engine log
+level (`runtime_env`). It dials the frontend's sockets over TCP, so readiness still comes through the
+ZMQ handshake.
 
 Liveness comes from Ray: a watcher thread waits on every actor's `run()` result. When one resolves (run
-returned an exit code, or Ray raised an actor error: killed, crashed, node lost) the rank's sentinel, a
-pipe, turns readable, which is what the client's rank watchers and start-up wait poll for processes
-too; Ray's error becomes the rank's death record. If the frontend dies, Ray ends its actors with it (an
-actor's lifetime is its owner's). A restart (`engine_restarts`) creates a new actor for the rank in the
-same placement group, as the rank's next incarnation, with a new sentinel.
+returned an exit code, or Ray raised an actor error: killed, crashed, its node lost) the rank's
+sentinel, a pipe, turns readable, which is what the client's rank watchers and start-up wait poll for
+processes too; Ray's error becomes the rank's death record. If the frontend dies, Ray ends its actors
+with it (an actor's lifetime is its owner's). A restart (`engine_restarts`) creates a new actor in the
+rank's bundle, as the rank's next incarnation, with a new sentinel; when the rank's node is gone, Ray
+moves the bundle to a node that has room (within the strategy) and the actor starts there.
 
-Shutdown: ranks on this machine get SIGTERM, the same request a child process gets (the engine drains
-for `shutdown_timeout` seconds and run() returns 0); anything left after the grace period, and every
-rank on another machine, is killed with `ray.kill`; then the placement groups are removed.
+Shutdown: every running rank is asked to stop over its input socket (a SHUTDOWN request: no signal
+reaches a process on another machine), drains for `shutdown_timeout` seconds and returns 0; whatever
+is left after the grace period is killed with `ray.kill`, then the placement group is removed.
 
 Sockets: on a Ray started here, or a cluster whose nodes are all on loopback, the frontend binds
 127.0.0.1. On any other cluster it binds every interface and engines dial this node's IP
-(`ray.util.get_node_ip_address()`); the ZMQ sockets carry no authentication, so that cluster's network
-must be trusted.
+(`ray.util.get_node_ip_address()`); CURVE (on by default) admits only this run's engines and encrypts
+the traffic, see `nanoserve/wire/sockets.py`.
 
 The Ray connection is shared by every client in the process. Without `ray_address`, and not already
-connected, a local Ray is started (every CPU, no dashboard, a small object store: only handles and exit
-codes travel through it); with `ray_address`, that cluster is joined. Whatever `ray.init` this module
-made is undone (`ray.shutdown`) when the last client using it shuts down.
+connected, a local Ray is started (every CPU, no dashboard, a small object store: only handles, exit
+codes and shipped models travel through it); with `ray_address`, that cluster is joined. Whatever
+`ray.init` this module made is undone (`ray.shutdown`) when the last client using it shuts down.
 """
 
 from __future__ import annotations
@@ -45,28 +48,31 @@ import time
 from collections.abc import Generator
 from multiprocessing.connection import Connection
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import zmq
+
+from nanoserve import envs
 from nanoserve.config import EngineOptions
+from nanoserve.engine.core_client.engine_input import EngineInput
 from nanoserve.engine.core_client.launch import (
     TERMINATE_GRACE_S,
     EngineZmqAddresses,
     SocketHost,
     available_cpus,
 )
+from nanoserve.engine.core_client.ray_actor import EngineCoreActor, pack_model
 from nanoserve.engine.exceptions import EngineDeadError
-from nanoserve.wire.messages import EngineDeathRecord
-
-if TYPE_CHECKING:
-    from nanoserve.core.engine_core_proc import EngineCoreProcArgs
+from nanoserve.wire.messages import EngineCoreRequestType, EngineDeathRecord
 
 logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.2
 """How long one ray.wait of the watcher lasts before it checks whether the manager is shutting down."""
 KILL_WAIT_S = 5.0
-"""How long shutdown waits for Ray to report killed actors dead before removing their placement groups."""
+"""How long shutdown waits for Ray to report killed actors dead before removing their placement group."""
 LOCAL_OBJECT_STORE_BYTES = 128 * 1024 * 1024
+DEFAULT_PLACEMENT_STRATEGY = "PACK"
 
 
 def import_ray() -> ModuleType:
@@ -138,31 +144,22 @@ def _all_nodes_on_loopback(ray: ModuleType) -> bool:
     return bool(nodes) and all(ipaddress.ip_address(n["NodeManagerAddress"]).is_loopback for n in nodes)
 
 
-def _summary(error: BaseException) -> str:
-    """Ray's actor errors run over several lines (ids, pid, ip); the first and last say what happened."""
+def _summary(error: BaseException) -> tuple[str, str]:
+    """(type, message) of why an actor's run() failed: the exception it raised (Ray wraps it in a
+    RayTaskError), else Ray's own error, whose text runs over several lines (ids, pid, ip) of which the
+    first and last say what happened."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException):
+        return type(cause).__name__, str(cause)
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    if not lines:
-        return type(error).__name__
-    return lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+    message = "" if not lines else lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+    return type(error).__name__, message
 
 
-class EngineCoreActor:
-    """One engine-core rank inside a Ray actor; `run` is its whole working life."""
-
-    def __init__(self, args: EngineCoreProcArgs) -> None:
-        self.args = args
-
-    def where(self) -> tuple[int, str, str]:
-        """(pid, node IP, node id): lets the frontend signal a rank that runs on its own machine."""
-        ray = import_ray()
-        return os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
-
-    def run(self) -> int:
-        """Serve until SIGTERM (0) or a failure (1, after sending the death record to the frontend)."""
-        from nanoserve.core.bootstrap import serve_engine_core, setup_logging
-
-        setup_logging(self.args.engine_rank)
-        return serve_engine_core(self.args, (signal.SIGTERM,))
+def engine_environment() -> dict[str, str]:
+    """The environment an actor adds to its node's: this process's NANOSERVE_* variables (those an
+    engine reads), with the engine log level spelled out."""
+    return {**envs.forwarded_to_engines(), envs.LOGGING_LEVEL: envs.logging_level()}
 
 
 @dataclasses.dataclass
@@ -188,9 +185,16 @@ class RayEngineManager:
 
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
+        self.cpus_per_rank = options.num_threads or 1
+        self.strategy = options.ray_placement_strategy or DEFAULT_PLACEMENT_STRATEGY
         self._ranks: dict[int, _RankActor] = {}
-        self._placement_groups: dict[int, Any] = {}
+        self._bundles: dict[int, int] = {}
+        """rank -> its bundle in the placement group."""
+        self._placement_group: Any = None
+        self._model_ref: Any = None
+        """The shipped model in the object store (kept for restarts), with `ray_ship_model`."""
         self._addresses: EngineZmqAddresses | None = None
+        self._engine_input: EngineInput | None = None
         self._watcher: threading.Thread | None = None
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -211,16 +215,36 @@ class RayEngineManager:
     def actors(self) -> dict[int, Any]:
         return {rank: ranked.actor for rank, ranked in self._ranks.items()}
 
-    def start(self, addresses: EngineZmqAddresses, ranks: list[int]) -> None:
+    def start(self, addresses: EngineZmqAddresses, ranks: list[int], engine_input: EngineInput) -> None:
         from ray.util.placement_group import placement_group
 
-        self._addresses = addresses
-        cpus = self.options.num_threads or 1
+        ray = import_ray()
+        self._addresses, self._engine_input = addresses, engine_input
+        if self.options.ray_ship_model:
+            shipped = pack_model(self.options.model)
+            logger.info("shipping the model (%.1f MiB) through Ray's object store", shipped.num_bytes / 2**20)
+            self._model_ref = ray.put(shipped)
+        self._warn_if_unplaceable(ray, len(ranks))
+        self._bundles = {rank: index for index, rank in enumerate(ranks)}
+        bundles = [{"CPU": self.cpus_per_rank} for _ in ranks]
+        self._placement_group = placement_group(bundles, strategy=self.strategy)
         for rank in ranks:
-            self._placement_groups[rank] = placement_group([{"CPU": cpus}])
             self._launch(rank, 0)
         self._watcher = threading.Thread(target=self._watch, name="RayEngineWatcher", daemon=True)
         self._watcher.start()
+
+    def _warn_if_unplaceable(self, ray: ModuleType, num_ranks: int) -> None:
+        if self.strategy != "STRICT_SPREAD":
+            return
+        nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) >= self.cpus_per_rank]
+        if len(nodes) < num_ranks:
+            logger.warning(
+                "STRICT_SPREAD needs %d nodes with %d free CPU(s) each and the Ray cluster has %d: the ranks "
+                "wait for Ray to place them until more nodes join (or the start-up deadline passes)",
+                num_ranks,
+                self.cpus_per_rank,
+                len(nodes),
+            )
 
     def restart(self, rank: int, incarnation: int) -> None:
         with self._lock:
@@ -238,17 +262,32 @@ class RayEngineManager:
 
         from nanoserve.core.engine_core_proc import EngineCoreProcArgs
 
-        ray, addresses = import_ray(), self._addresses
+        ray, addresses, options = import_ray(), self._addresses, self.options
         assert addresses is not None
-        cpus = self.options.num_threads or 1
-        per_rank = dataclasses.replace(self.options, num_threads=cpus)
+        # a path means the same on every node only if it is absolute (an actor's working dir is Ray's)
+        model = options.model if options.model is None else os.path.abspath(os.path.expanduser(options.model))
+        per_rank = dataclasses.replace(options, num_threads=self.cpus_per_rank, model=model)
         args = EngineCoreProcArgs(
-            per_rank, rank, addresses.input, addresses.output, addresses.stats, incarnation
+            per_rank,
+            rank,
+            addresses.input,
+            addresses.output,
+            addresses.stats,
+            incarnation,
+            curve=addresses.engine_curve(rank),
         )
         strategy = PlacementGroupSchedulingStrategy(
-            self._placement_groups[rank], placement_group_bundle_index=0
+            self._placement_group, placement_group_bundle_index=self._bundles[rank]
         )
-        actor = ray.remote(EngineCoreActor).options(num_cpus=cpus, scheduling_strategy=strategy).remote(args)
+        actor = (
+            ray.remote(EngineCoreActor)
+            .options(
+                num_cpus=self.cpus_per_rank,
+                scheduling_strategy=strategy,
+                runtime_env={"env_vars": engine_environment()},
+            )
+            .remote(args, self._model_ref)
+        )
         read_end, write_end = multiprocessing.Pipe(duplex=False)
         where_ref = actor.where.remote()  # an actor runs its calls in order: before run
         self._ranks[rank] = _RankActor(actor, incarnation, where_ref, actor.run.remote(), read_end, write_end)
@@ -268,7 +307,7 @@ class RayEngineManager:
                     try:
                         self._settle(ranked, ray.get(ref), None)
                     except Exception as e:  # killed, crashed, its node lost, or run() itself failed
-                        self._settle(ranked, None, EngineDeathRecord(rank, type(e).__name__, _summary(e), ""))
+                        self._settle(ranked, None, EngineDeathRecord(rank, *_summary(e), ""))
         except Exception as e:  # this process lost Ray (ray.shutdown elsewhere): its actors went with it
             with self._lock:
                 left = [(rank, r) for rank, r in self._ranks.items() if not r.done.is_set()]
@@ -308,16 +347,20 @@ class RayEngineManager:
         """Empty: the engines are processes of Ray's nodes, perhaps on other machines."""
         return []
 
-    def node_ids(self, timeout: float = 10.0) -> dict[int, str]:
-        """The Ray node each rank's actor runs on."""
+    def locations(self, timeout: float = 10.0) -> dict[int, tuple[int, str, str]]:
+        """rank -> (pid, node IP, Ray node id) of the actor serving it now."""
         ray = import_ray()
         ranks = list(self._ranks)
-        locations = ray.get([self._ranks[rank].where_ref for rank in ranks], timeout=timeout)
-        return {rank: node_id for rank, (_, _, node_id) in zip(ranks, locations, strict=True)}
+        found = ray.get([self._ranks[rank].where_ref for rank in ranks], timeout=timeout)
+        return dict(zip(ranks, found, strict=True))
+
+    def node_ids(self, timeout: float = 10.0) -> dict[int, str]:
+        """The Ray node each rank's actor runs on."""
+        return {rank: node_id for rank, (_, _, node_id) in self.locations(timeout).items()}
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """SIGTERM the ranks on this machine, wait for the drain, ray.kill every actor, remove the
-        placement groups, leave Ray. Bounded and idempotent."""
+        """Ask every running rank to stop, wait for the drain, ray.kill every actor, remove the
+        placement group, leave Ray. Bounded and idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -325,7 +368,7 @@ class RayEngineManager:
         if timeout is None:
             timeout = self.options.shutdown_timeout + TERMINATE_GRACE_S
         try:
-            if import_ray().is_initialized():  # else the actors and groups went with the connection
+            if import_ray().is_initialized():  # else the actors and group went with the connection
                 self._stop_actors(timeout)
         finally:
             self._stopping.set()
@@ -334,15 +377,16 @@ class RayEngineManager:
             with self._lock:  # whoever still waits on a sentinel wakes (at EOF) and sees the shutdown
                 for ranked in self._ranks.values():
                     ranked.write_end.close()
+            self._model_ref = None
             _SESSION.leave()
 
     def _stop_actors(self, timeout: float) -> None:
         ray = import_ray()
         from ray.util.placement_group import remove_placement_group
 
-        signalled = [rank for rank in self._ranks if self._request_stop(rank)]
+        asked = [rank for rank in self._ranks if self._ask_to_stop(rank)]
         deadline = time.monotonic() + timeout
-        for rank in signalled:
+        for rank in asked:
             if not self._ranks[rank].done.wait(max(0.0, deadline - time.monotonic())):
                 logger.warning("engine core %d did not stop within %.1f s; killing it", rank, timeout)
         for ranked in self._ranks.values():
@@ -351,27 +395,16 @@ class RayEngineManager:
         deadline = time.monotonic() + KILL_WAIT_S
         for ranked in self._ranks.values():  # the watcher sees each killed actor's run() fail
             ranked.done.wait(max(0.0, deadline - time.monotonic()))
-        for group in self._placement_groups.values():
+        if self._placement_group is not None:
             with contextlib.suppress(Exception):
-                remove_placement_group(group)
+                remove_placement_group(self._placement_group)
 
-    def _request_stop(self, rank: int) -> bool:
-        """SIGTERM a running rank on this machine (pids mean nothing elsewhere); True if sent."""
-        ranked = self._ranks[rank]
-        if ranked.done.is_set():
-            return False
-        ray = import_ray()
-        try:
-            ready, _ = ray.wait([ranked.where_ref], timeout=0)
-            if not ready:
-                return False  # not even started
-            pid, node_ip, _ = ray.get(ready[0])
-        except Exception:
-            return False
-        if node_ip != ray.util.get_node_ip_address():
+    def _ask_to_stop(self, rank: int) -> bool:
+        """Send a running rank the SHUTDOWN request (it drains as on SIGTERM); True if sent."""
+        if self._ranks[rank].done.is_set() or self._engine_input is None:
             return False
         try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return False
+            self._engine_input.send(rank, EngineCoreRequestType.SHUTDOWN, None)
+        except zmq.ZMQError:
+            return False  # the input socket is closed
         return True

@@ -21,10 +21,10 @@ from typing import Any, cast
 import zmq
 
 from nanoserve.config import EngineOptions
-from nanoserve.engine.core_client.launch import make_socket
 from nanoserve.engine.core_client.mp import MPClient
 from nanoserve.engine.core_client.router import EngineRouter, RankDeath, SingleRankRouter
 from nanoserve.wire.messages import EngineCoreOutputs, EngineCoreRequest
+from nanoserve.wire.sockets import CurveServer, bind_socket
 
 
 class ThreadOutputReader:
@@ -35,9 +35,11 @@ class ThreadOutputReader:
         self._ctx: zmq.Context | None = None
         self._stop_address = f"inproc://nanoserve-output-stop-{uuid.uuid4().hex}"
 
-    def open(self, ctx: zmq.Context, transport: str, host: str) -> tuple[str, str | None]:
+    def open(
+        self, ctx: zmq.Context, transport: str, host: str, curve: CurveServer | None
+    ) -> tuple[str, str | None]:
         self._ctx = ctx
-        self._socket, endpoint, path = make_socket(ctx, zmq.PULL, transport, host)
+        self._socket, endpoint, path = bind_socket(ctx, zmq.PULL, transport, host, curve)
         return endpoint, path
 
     def sync_view(self) -> zmq.Socket:
