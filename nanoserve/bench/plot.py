@@ -6,11 +6,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
-def _pyplot() -> Any:
+def require_matplotlib() -> None:
+    """Called when --plot is parsed, so a missing matplotlib stops a benchmark before it runs, not after."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
         raise SystemExit("--plot needs matplotlib: pip install 'nanoserve[bench]'") from None
+
+
+def _pyplot() -> Any:
+    require_matplotlib()
+    import matplotlib
+
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 

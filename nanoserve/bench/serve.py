@@ -353,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.plot:
+        from nanoserve.bench.plot import require_matplotlib
+
+        require_matplotlib()
     if not args.compare_dp:
         stats, failed = run_levels(args)
         if args.plot:

@@ -147,6 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="write a torch profiler trace of a decode run")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw tok/s against batch size")
     args = parser.parse_args(argv)
+    if args.plot:
+        from nanoserve.bench.plot import require_matplotlib
+
+        require_matplotlib()
 
     from nanoserve.entrypoints.llm import LLM
     from nanoserve.model_files import load_tokenizer, resolve_model_path
