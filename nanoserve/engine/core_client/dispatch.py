@@ -68,6 +68,7 @@ class OutputDispatch:
         else:
             with self.liveness.lock:
                 if self.liveness.accepts(rank, incarnation):
+                    self.liveness.output_arrived(rank)
                     self.ledger.record(outputs)
                     self.deliver(outputs)
 

@@ -48,6 +48,8 @@ class RankLife:
     num_restarts: int = 0
     records: dict[int, EngineDeathRecord] = field(default_factory=dict)
     """Incarnation -> the death record it sent (why it failed, when it could still tell)."""
+    last_output_at: float = 0.0
+    """time.monotonic() when the dispatch last handed on an output of this rank."""
 
 
 Listener = Callable[[int, RankState, EngineDeadError | None, int], None]
@@ -126,6 +128,25 @@ class EngineLiveness:
             while incarnation not in life.records and (remaining := deadline - time.monotonic()) > 0:
                 self._records_changed.wait(remaining)
             return life.records.get(incarnation)
+
+    def output_arrived(self, rank: int) -> None:
+        """Called by the dispatch (under the lock) for each output it hands on."""
+        self.lives[rank].last_output_at = time.monotonic()
+
+    def wait_for_quiet_outputs(self, rank: int, quiet_s: float, limit_s: float) -> None:
+        """Wait, up to `limit_s`, until the rank's outputs have stopped arriving for `quiet_s`.
+
+        A process that exited has sent its last outputs, but they may still be on their way through
+        the output socket; a death reported first would make them stale (dropped), so a drained
+        request's last tokens would be lost behind the EngineDeadError.
+        """
+        deadline = time.monotonic() + limit_s
+        while (now := time.monotonic()) < deadline:
+            with self.lock:
+                silent_for = now - self.lives[rank].last_output_at
+            if silent_for >= quiet_s:
+                return
+            time.sleep(min(quiet_s - silent_for, deadline - now))
 
     # -- transitions ---------------------------------------------------------------------------
 

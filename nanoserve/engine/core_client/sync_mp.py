@@ -3,10 +3,8 @@
 Its transport (`ThreadOutputReader`): a daemon thread owns the output PULL socket and polls it
 together with an inproc PAIR socket that stops it; each message goes to the shared dispatch, and what
 it passes on lands in a `queue.Queue` that `get_output()` blocks on. A death is queued after the
-outputs the engine sent before it: the watcher that notices a process exit hands the death to the
-reader thread (an inproc PULL wakes it), which first reads every output still arriving, until the
-socket has been quiet for DEATH_QUIET_MS, so an engine that drained its requests and exited delivers
-their last tokens before the `EngineDeadError`; every later or concurrent caller gets it too.
+outputs received before it, so a caller reads those first and then gets the `EngineDeadError`; every
+later or concurrent caller gets it too.
 """
 
 from __future__ import annotations
@@ -28,11 +26,6 @@ from nanoserve.engine.core_client.router import EngineRouter, RankDeath, SingleR
 from nanoserve.wire.messages import EngineCoreOutputs, EngineCoreRequest
 from nanoserve.wire.sockets import CurveServer, bind_socket
 
-DEATH_QUIET_MS = 250
-"""How long the output socket must stay silent, once a death is known, before the death is queued."""
-DEATH_DRAIN_S = 2.0
-"""The most a death waits for that silence (other ranks may keep streaming)."""
-
 
 class ThreadOutputReader:
     def __init__(self) -> None:
@@ -41,10 +34,6 @@ class ThreadOutputReader:
         self._socket: zmq.Socket | None = None
         self._ctx: zmq.Context | None = None
         self._stop_address = f"inproc://nanoserve-output-stop-{uuid.uuid4().hex}"
-        self._wake_address = f"inproc://nanoserve-output-wake-{uuid.uuid4().hex}"
-        self._lock = threading.Lock()
-        self._after_outputs: list[RankDeath | BaseException] | None = None
-        """Deaths waiting for the outputs sent before them; None while no reader thread runs."""
 
     def open(
         self, ctx: zmq.Context, transport: str, host: str, curve: CurveServer | None
@@ -62,13 +51,9 @@ class ThreadOutputReader:
         stop = self._ctx.socket(zmq.PAIR)
         stop.setsockopt(zmq.LINGER, 0)
         stop.bind(self._stop_address)
-        wake = self._ctx.socket(zmq.PULL)
-        wake.setsockopt(zmq.LINGER, 0)
-        wake.bind(self._wake_address)
-        self._after_outputs = []
         self.thread = threading.Thread(
             target=_read_outputs,
-            args=(self._socket, stop, wake, dispatch, self._queue_deaths, on_failure),
+            args=(self._socket, stop, dispatch, on_failure),
             name="EngineCoreOutputThread",
             daemon=True,
         )
@@ -79,37 +64,7 @@ class ThreadOutputReader:
         self.queue.put_nowait(item)
 
     def put(self, item: EngineCoreOutputs | RankDeath | BaseException) -> None:
-        if isinstance(item, EngineCoreOutputs) or not self._defer(item):
-            self.queue.put_nowait(item)
-
-    def _defer(self, death: RankDeath | BaseException) -> bool:
-        """Hand a death to the reader thread, to be queued after the outputs still arriving."""
-        if threading.current_thread() is self.thread:
-            return False  # the reader itself found it: everything before it is dispatched already
-        with self._lock:
-            if self._after_outputs is None or self._ctx is None:
-                return False
-            self._after_outputs.append(death)
-        try:
-            wake = self._ctx.socket(zmq.PUSH)
-        except zmq.ZMQError:  # the context is terminated: no reader thread is left to hand it to
-            self._queue_deaths()
-            return True
-        try:
-            wake.connect(self._wake_address)
-            wake.send(b"", zmq.NOBLOCK)
-        except zmq.ZMQError:
-            self._queue_deaths()
-        finally:
-            wake.close(linger=1000)
-        return True
-
-    def _queue_deaths(self, final: bool = False) -> None:
-        with self._lock:
-            deaths = self._after_outputs or []
-            self._after_outputs = None if final else []
-        for death in deaths:
-            self.queue.put_nowait(death)
+        self.queue.put_nowait(item)
 
     def call(self, fn: Callable[[], None]) -> None:
         fn()
@@ -130,7 +85,6 @@ class ThreadOutputReader:
             self._socket = None
         if self.thread is None or self._ctx is None:
             return
-        self._queue_deaths(final=True)
         try:
             sock = self._ctx.socket(zmq.PAIR)
         except zmq.ZMQError:
@@ -147,14 +101,11 @@ class ThreadOutputReader:
 def _read_outputs(
     sock: zmq.Socket,
     stop: zmq.Socket,
-    wake: zmq.Socket,
     dispatch: Callable[[list], None],
-    queue_deaths: Callable[[bool], None],
     on_failure: Callable[[Exception], None],
 ) -> None:
     poller = zmq.Poller()
     poller.register(stop, zmq.POLLIN)
-    poller.register(wake, zmq.POLLIN)
     poller.register(sock, zmq.POLLIN)
     try:
         while True:
@@ -164,20 +115,10 @@ def _read_outputs(
             # drain what is there before polling again: one poll per burst, not per message
             while cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
                 dispatch(sock.recv_multipart(copy=False))
-            if wake in events:
-                while cast(int, wake.get(zmq.EVENTS)) & zmq.POLLIN:
-                    wake.recv()
-                deadline = time.monotonic() + DEATH_DRAIN_S
-                while time.monotonic() < deadline and sock.poll(DEATH_QUIET_MS):
-                    while cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
-                        dispatch(sock.recv_multipart(copy=False))
-                queue_deaths(False)
     except Exception as e:
         on_failure(e)
     finally:
-        queue_deaths(True)  # deaths handed over from now on go straight to the queue
         stop.close(linger=0)
-        wake.close(linger=0)
         sock.close(linger=0)
 
 

@@ -40,6 +40,11 @@ from nanoserve.wire.messages import EngineCoreRequestType, EngineCoreUtilityRequ
 
 logger = logging.getLogger(__name__)
 
+OUTPUT_QUIET_S = 0.25
+"""A dead rank's outputs count as all arrived once none has come for this long..."""
+OUTPUT_SETTLE_S = 2.0
+"""...or after this long in all (a rank that streamed until its death)."""
+
 
 class RankWatcher:
     def __init__(
@@ -81,6 +86,7 @@ class RankWatcher:
 
     def _death_error(self, incarnation: int) -> EngineDeadError:
         exit_code = self.manager.wait(self.rank, REAP_WAIT_S)
+        self.liveness.wait_for_quiet_outputs(self.rank, OUTPUT_QUIET_S, OUTPUT_SETTLE_S)
         # a crash, not a kill: its death record may still be on its way through the output socket
         wait_s = DEATH_RECORD_WAIT_S if exit_code is None or exit_code > 0 else 0.0
         record = self.liveness.death_record(self.rank, incarnation, wait_s) or self.manager.death_record(
