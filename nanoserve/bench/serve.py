@@ -355,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="untimed requests sent at the level's concurrency before each level (default 1; with "
-        "--compare-dp the level's concurrency, as a just-started server's first batched steps are slow)",
+        "--compare-dp and --compare-peers the level's concurrency, as a just-started server's first batched "
+        "steps are slow)",
     )
     parser.add_argument(
         "--api-key",

@@ -101,23 +101,35 @@ def client_command(
     args: argparse.Namespace, url: str, model: str, tokenizer: Path, level: tuple[int, int], result_file: Path
 ) -> list[str]:
     concurrency, num_prompts = level
-    cmd = [sys.executable, "-m", "nanoserve.bench.vllm_cli", "bench", "serve", "--backend", "openai"]
-    cmd += [
-        "--base-url",
-        url,
-        "--endpoint",
-        "/v1/completions",
-        "--model",
-        model,
-        "--tokenizer",
-        str(tokenizer),
+    options = {
+        "--backend": "openai",
+        "--base-url": url,
+        "--endpoint": "/v1/completions",
+        "--model": model,
+        "--tokenizer": str(tokenizer),
+        "--dataset-name": "random",
+        "--random-input-len": str(INPUT_LEN),
+        "--random-output-len": str(args.max_tokens),
+        "--num-prompts": str(num_prompts),
+        "--max-concurrency": str(concurrency),
+        "--num-warmups": str(concurrency if args.warmup is None else args.warmup),
+        "--temperature": str(args.temperature),
+        "--seed": "0",
+        "--percentile-metrics": "ttft,tpot,itl",
+        "--metric-percentiles": "50,99",
+        "--result-dir": str(result_file.parent),
+        "--result-filename": result_file.name,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanoserve.bench.vllm_cli",
+        "bench",
+        "serve",
+        "--save-result",
+        "--disable-tqdm",
     ]
-    cmd += ["--dataset-name", "random", "--random-input-len", str(INPUT_LEN)]
-    cmd += ["--random-output-len", str(args.max_tokens), "--num-prompts", str(num_prompts)]
-    cmd += ["--max-concurrency", str(concurrency), "--temperature", str(args.temperature)]
-    cmd += ["--num-warmups", str(concurrency if args.warmup is None else args.warmup), "--seed", "0"]
-    cmd += ["--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99", "--disable-tqdm"]
-    cmd += ["--save-result", "--result-dir", str(result_file.parent), "--result-filename", result_file.name]
+    cmd += [word for option in options.items() for word in option]
     return cmd + (["--ignore-eos"] if args.ignore_eos else [])
 
 
@@ -151,17 +163,15 @@ def measure(args: argparse.Namespace, system: str, model_path: str, hf_dir: Path
                 concurrency = level[0]
                 result_file = out_dir / f"{system}-c{concurrency}.json"
                 cmd = client_command(args, server.url, model, hf_dir, level, result_file)
-                run.levels[concurrency] = run_client(cmd, result_file, args.api_key)
-                print(
-                    f"    concurrency {concurrency}: {run.levels[concurrency].tok_s:.1f} out tok/s",
-                    flush=True,
-                )
+                level_stats = run.levels[concurrency] = run_client(cmd, result_file, args.api_key)
+                print(f"    concurrency {concurrency}: {level_stats.tok_s:.1f} out tok/s", flush=True)
     except (RuntimeError, OSError, subprocess.SubprocessError, KeyError, ValueError) as e:
         run.error = f"{type(e).__name__}: {e}"
     return run
 
 
-COLUMNS = [("ready s", None, "ready")] + [
+# (header, concurrency, ClientLevel attribute); the first column is the start-up time
+COLUMNS: list[tuple[str, int | None, str]] = [("ready s", None, "")] + [
     (f"c={c} {name}", c, attr)
     for c, _ in LEVELS
     for name, attr in (("tok/s", "tok_s"), ("TTFT p50", "ttft_p50"), ("TPOT p50", "tpot_p50"))

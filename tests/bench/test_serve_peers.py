@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from nanoserve.bench import serve
-from nanoserve.bench.serve_peers import ClientLevel, ServerRun, format_table, parse_result, target_checks
+from nanoserve.bench.serve_peers import (
+    ClientLevel,
+    ServerRun,
+    client_command,
+    format_table,
+    parse_result,
+    target_checks,
+)
 
 
 def vllm_result(tok_s: float, ttft: float, tpot: float, failed: int = 0) -> dict:
@@ -74,6 +81,26 @@ def test_targets_are_unknown_where_a_side_has_no_level_and_failures_are_listed()
         ("c=1 TPOT p50 <= 1.0x", 13.0 / 32.0, True),
     ]
     assert "  c=1: 3 of 8 failed" in format_table({"vllm": peer, "nanoserve": ours}).splitlines()
+
+
+def test_client_command_is_the_targets_load_and_saves_its_json_where_it_is_read(tmp_path):
+    args = serve.build_parser().parse_args(["--compare-peers"])
+    result = tmp_path / "vllm-c32.json"
+    cmd = client_command(args, "http://127.0.0.1:8001", "m", tmp_path / "hf", (32, 64), result)
+    assert cmd[1:5] == ["-m", "nanoserve.bench.vllm_cli", "bench", "serve"]
+    options = dict(zip(cmd[7:-1:2], cmd[8:-1:2], strict=True))
+    assert {k: options[k] for k in ("--random-input-len", "--random-output-len", "--max-concurrency")} == {
+        "--random-input-len": "32",
+        "--random-output-len": "128",
+        "--max-concurrency": "32",
+    }
+    assert (options["--num-prompts"], options["--temperature"], options["--num-warmups"]) == (
+        "64",
+        "0.0",
+        "32",
+    )
+    assert (options["--result-dir"], options["--result-filename"]) == (str(tmp_path), "vllm-c32.json")
+    assert {"--save-result", "--ignore-eos"} <= set(cmd)
 
 
 @pytest.mark.parametrize(
