@@ -1,13 +1,13 @@
 // sample_rows: one token per row of float32 logits, each row by its own temperature, top-k, top-p and
-// min-p, drawn by inverse CDF with the row's uniform (nanoserve.model.sampler gives the rules; its PyTorch
-// path is the reference this kernel matches).
+// min-p, drawn by inverse CDF with the row's uniform, by the rules of nanoserve.model.sampler's PyTorch
+// path (the same draws up to the order of tied logits and rounding).
 //
 // A row costs a few passes over the vocabulary, all in cache: its maximum, each token's mass
 // exp((x - max) / T) and their total, then the index-ordered walk to the uniform's target (no truncation)
-// or the tokens with at least a factor of the maximum's mass (truncation), which are sorted and cut by
-// top-k, top-p and min-p. The cut is exact: a token outside the collected ones has less probability than every collected
-// one, so it is kept only if the collected ones do not already end the kept prefix; then the factor is
-// widened, and in the end every token is collected. Temperature 0 is the argmax.
+// or the tokens with at least a factor of the maximum's mass (truncation), which are ordered as far as
+// the kept prefix reaches and cut by top-k, top-p and min-p. The cut is exact: a token left out has less
+// mass than every collected one, so it could only be kept if the collected ones do not end the prefix;
+// then the factor is widened, and the last one collects every token. Temperature 0 is the argmax.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
