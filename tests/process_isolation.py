@@ -14,7 +14,8 @@ fixture teardown never has to step over them), each module in one child that sha
 The child runs the parent's selection with the configuration (pyproject.toml, PYTEST_ADDOPTS) but not
 the parent's other command-line options, with `--capture=tee-sys` so that what a dying process wrote to
 its file descriptors is in its output. pytest-timeout bounds each test there; the parent waits at most
-for the sum of those timeouts (no bound when a test has none).
+for the sum of those timeouts (no bound when a test has none). `-p no:process_isolation` runs marked
+tests in-process, as any others (for `--pdb`).
 """
 
 from __future__ import annotations
@@ -53,10 +54,6 @@ def _isolated(item: pytest.Item) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        f"{MARKER}: the module's tests run in a child pytest, after the others (tests/process_isolation.py)",
-    )
     path = os.environ.get(REPORTS_ENV)
     if path is not None:
         config.pluginmanager.register(ReportWriter(config, Path(path)), "own-process-reports")

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     monkeypatch.setenv("PYTHONPATH", str(TESTS_DIR))  # the children import the plugin too
     pytester.makeconftest('pytest_plugins = ["process_isolation"]')
-    pytester.makeini("[pytest]\ntimeout = 60\n")
+    pytester.makeini("[pytest]\ntimeout = 60\nmarkers = own_process\n")
     return pytester
 
 
