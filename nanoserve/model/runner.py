@@ -67,7 +67,7 @@ class ModelRunner:
         logger.info(
             "loaded %s (%s) in %.1f s", self.config.name, self.dtype_name, time.perf_counter() - start
         )
-        self.sampler = Sampler(options.seed)
+        self.sampler = Sampler(options.seed, self.kernels)
         self.kv_caches: list[torch.Tensor] = []
         self._offloaded: dict[str, torch.Tensor] | None = None
 
