@@ -23,10 +23,13 @@ serve: $(STAMP)
 run: $(STAMP)
 	$(BIN)/nanoserve generate "$(PROMPT)" --max-tokens 48 --temperature 0
 
+# CI sets PYTEST_FLAGS=-v: each test is named as it starts, so a pytest that dies names the test last
+PYTEST_FLAGS ?= -q
+
 test: $(STAMP)
 	$(BIN)/ruff check nanoserve tests
 	$(BIN)/ty check nanoserve
-	$(BIN)/pytest -q tests -m "not browser"
+	$(BIN)/pytest $(PYTEST_FLAGS) tests -m "not browser"
 
 # The web page's tests drive Debian's chromium through Playwright (never `playwright install`: no browser
 # downloads); it is installed here when missing (as root, as in CI).
@@ -35,7 +38,7 @@ install-chromium:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium)
 
 test-web: $(STAMP) install-chromium
-	$(BIN)/pytest -q tests -m browser
+	$(BIN)/pytest $(PYTEST_FLAGS) tests -m browser
 
 lint: $(STAMP)
 	$(BIN)/ruff check nanoserve tests

@@ -14,6 +14,8 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+pytest_plugins = ["process_isolation", "pytester"]  # the own_process marker; pytester tests it
+
 TINY_CONFIGS: dict[str, dict] = {
     # grouped-query attention, tied embeddings (like SmolLM2)
     "gqa_tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),

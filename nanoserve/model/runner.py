@@ -67,7 +67,7 @@ class ModelRunner:
         logger.info(
             "loaded %s (%s) in %.1f s", self.config.name, self.dtype_name, time.perf_counter() - start
         )
-        self.sampler = Sampler(options.seed)
+        self.sampler = Sampler(options.seed, self.kernels)
         self.max_decode_query_len = 1 + options.spec_num_tokens if options.speculative != "none" else 1
         """A decode with its drafts is verified on the decode path (see build_attention_metadata)."""
         self.kv_caches: list[torch.Tensor] = []

@@ -20,6 +20,7 @@ contract above holds for what it outputs, and a replay after an engine restart s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
@@ -58,8 +59,12 @@ class DraftedSequence:
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, kernels: ModuleType | None = None) -> None:
+        """kernels: nanoserve.model.kernels' module, whose `sample_rows` draws every row in one call
+        (the same rules as the PyTorch path below, in a few passes over each row instead of a dozen ops
+        over the batch); None: PyTorch ops."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.kernels = kernels
 
     def sample(
         self,
@@ -139,22 +144,37 @@ class Sampler:
             logits = logits if logits is not raw_logits else logits.clone()
             apply_logits_controls(logits, requests, grammar_bitmask)
 
-        token_ids = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        uniforms, rewinds = self._uniforms(requests, spans or [(i, 1) for i in range(len(requests))], rows)
+        if self.kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+            return self._sample_in_kernel(logits.contiguous(), params, uniforms), raw_logits, rewinds
+        token_ids = logits.argmax(dim=-1)
         if not rows:
-            return token_ids, raw_logits, []
-        uniforms, rewinds = self._uniforms(requests, spans or [(i, 1) for i in range(len(requests))])
+            return token_ids, raw_logits, rewinds
         sampled_params = [params[i] for i in rows]
         temperature = torch.tensor([p.temperature for p in sampled_params], dtype=logits.dtype).unsqueeze(1)
         probs = torch.softmax(logits[rows] / temperature, dim=-1)
         token_ids[rows] = _draw(probs, sampled_params, uniforms[rows])
         return token_ids, raw_logits, rewinds
 
+    def _sample_in_kernel(
+        self, logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
+    ) -> torch.Tensor:
+        assert self.kernels is not None
+        temperature = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params])
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+        top_p = torch.tensor([p.top_p for p in params])
+        min_p = torch.tensor([p.min_p for p in params])
+        return self.kernels.sample_rows(logits, temperature, top_k, top_p, min_p, uniforms)
+
     def _uniforms(
-        self, rows: Sequence[SampledSequence], spans: list[tuple[int, int]]
+        self, rows: Sequence[SampledSequence], spans: list[tuple[int, int]], sampled_rows: list[int]
     ) -> tuple[torch.Tensor, list[tuple[int, torch.Generator, torch.Tensor]]]:
         """One uniform per row: a seeded request's rows from its own generator, in order, the rest in
-        one draw from ours. Greedy rows' uniforms are never used, and seeded greedy requests draw none."""
+        one draw from ours. Greedy rows' uniforms are never used, and seeded greedy requests draw none;
+        a batch without sampled rows (sampled_rows empty) draws nothing."""
+        if not sampled_rows:
+            return torch.zeros(len(rows)), []
         uniforms = torch.rand(len(rows), generator=self.generator)
         rewinds = []
         for i, (start, count) in enumerate(spans):

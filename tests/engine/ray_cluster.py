@@ -9,6 +9,7 @@ RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before importing Ray so that it resolves thi
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from collections.abc import Generator
 
@@ -30,6 +31,7 @@ def local_cluster(num_nodes: int) -> Generator[Cluster]:
         ray.init(address=cluster.address, log_to_driver=False)
         yield cluster
     finally:
+        gc.collect()  # Ray objects of the tests go now, not on some thread while ray.shutdown() runs
         ray.shutdown()
         cluster.shutdown()
 

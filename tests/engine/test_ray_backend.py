@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -24,6 +26,8 @@ from nanoserve.engine.core_client.dp import DPLBAsyncMPClient  # noqa: E402
 from nanoserve.engine.core_client.ray_launch import RayEngineManager  # noqa: E402
 from nanoserve.engine.exceptions import EngineDeadError  # noqa: E402
 from nanoserve.sampling_params import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.own_process  # Ray can end the process it runs in: not pytest's own
 
 
 @pytest.fixture(scope="module")
@@ -210,4 +214,56 @@ def test_a_remote_rank_asked_to_stop_drains_then_returns_zero(ray_cluster):
         assert manager.wait(0, 30) == 0
     finally:
         client.shutdown()
+    assert_ray_released()
+
+
+FREED_DURING_RAY_SHUTDOWN = """
+import gc, sys, threading, time, weakref
+import ray
+from nanoserve.config import EngineOptions
+from nanoserve.engine.core_client.sync_mp import SyncMPClient
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+client = SyncMPClient(EngineOptions(runner="null", data_parallel_backend="ray"))
+client.shutdown()
+manager = [client.resources.engine_manager]
+alive = weakref.ref(manager[0])
+del client
+deadline = time.monotonic() + 60
+while [t for t in threading.enumerate() if t.name.startswith(("EngineCore", "RayEngine"))]:
+    assert time.monotonic() < deadline, "the client's threads outlived it"
+    time.sleep(0.05)
+gc.collect()
+worker = ray._private.worker.global_worker
+
+
+class CoreWorkerThatFreesTheManager:
+    # the manager freed right after Ray's core worker shut down, before Python forgets it: what a rank
+    # watcher thread letting go of it last does when its timing meets ray.shutdown() on another thread
+    def __init__(self, real):
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def shutdown_driver(self):
+        self.real.shutdown_driver()
+        manager.clear()
+        print("manager freed:", alive() is None, flush=True)
+
+
+worker.core_worker = CoreWorkerThatFreesTheManager(worker.core_worker)
+ray.shutdown()
+print("survived ray.shutdown()", flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_shut_down_client_freed_while_ray_shuts_down_leaves_the_process_alive(ray_cluster):
+    """Ray ends a process (status 1, no traceback) whose thread frees a Ray object while ray.shutdown()
+    tears Ray down; a shut-down client must hold none, whichever thread lets go of it last."""
+    script = [sys.executable, "-c", FREED_DURING_RAY_SHUTDOWN, ray_cluster.address]
+    done = subprocess.run(script, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "manager freed: True\nsurvived ray.shutdown()\n" in done.stdout
     assert_ray_released()

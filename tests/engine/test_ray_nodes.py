@@ -23,6 +23,8 @@ from nanoserve.engine.core_client.liveness import RankState  # noqa: E402
 from nanoserve.engine.core_client.ray_launch import RayEngineManager  # noqa: E402
 from nanoserve.engine.exceptions import EngineDeadError  # noqa: E402
 
+pytestmark = pytest.mark.own_process  # Ray can end the process it runs in: not pytest's own
+
 
 @pytest.fixture(scope="module")
 def ray_cluster():

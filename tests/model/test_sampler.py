@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nanoserve.core.request import Request
+from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.sampler import Sampler
 from nanoserve.sampling_params import SamplingParams
 
@@ -21,41 +22,56 @@ def make_request(rid: str = "r", prompt=(1, 2, 3), output=(), **params) -> Reque
     return request
 
 
+@pytest.fixture(params=["pytorch", "cpu-kernel"])
+def kernels(request):
+    """Every test runs on both sampling paths: PyTorch ops and the C++ kernel's sample_rows."""
+    if request.param == "pytorch":
+        return None
+    module = cpu_kernels()
+    if module is None:
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    return module
+
+
 def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def test_greedy_is_argmax():
+def test_greedy_is_argmax(kernels):
     logits = random_logits(3)
-    tokens, logprobs = Sampler(0).sample(logits, [make_request(str(i), temperature=0) for i in range(3)])
+    tokens, logprobs = Sampler(0, kernels).sample(
+        logits, [make_request(str(i), temperature=0) for i in range(3)]
+    )
     assert tokens == logits.argmax(-1).tolist()
     assert logprobs == [None, None, None]
 
 
-def test_top_k_one_equals_greedy():
+def test_top_k_one_equals_greedy(kernels):
     logits = random_logits(4, seed=1)
-    tokens, _ = Sampler(0).sample(logits, [make_request(str(i), temperature=1.3, top_k=1) for i in range(4)])
+    tokens, _ = Sampler(0, kernels).sample(
+        logits, [make_request(str(i), temperature=1.3, top_k=1) for i in range(4)]
+    )
     assert tokens == logits.argmax(-1).tolist()
 
 
-def test_seeded_request_is_reproducible_whatever_the_batch():
+def test_seeded_request_is_reproducible_whatever_the_batch(kernels):
     logits = random_logits(4, seed=2) * 0.1
     alone = []
     request = make_request("seeded", temperature=1.0, seed=1234)
     for _ in range(8):
-        alone.append(Sampler(0).sample(logits[:1], [request])[0][0])
+        alone.append(Sampler(0, kernels).sample(logits[:1], [request])[0][0])
     batched = []
     request = make_request("seeded", temperature=1.0, seed=1234)
     others = [make_request(f"o{i}", temperature=1.0) for i in range(3)]
     for step in range(8):
-        batched.append(Sampler(step).sample(logits, [request, *others])[0][0])
+        batched.append(Sampler(step, kernels).sample(logits, [request, *others])[0][0])
     assert alone == batched
     assert len(set(alone)) > 1, "sampling at temperature 1 should not be constant"
 
 
-def test_unseeded_sampling_follows_the_distribution():
+def test_unseeded_sampling_follows_the_distribution(kernels):
     logits = torch.tensor([[0.0, 0.0, float("-inf"), 1.0] + [float("-inf")] * (VOCAB - 4)])
-    sampler = Sampler(0)
+    sampler = Sampler(0, kernels)
     counts = torch.zeros(VOCAB)
     for _ in range(2000):
         counts[sampler.sample(logits, [make_request(temperature=1.0)])[0][0]] += 1
@@ -64,58 +80,58 @@ def test_unseeded_sampling_follows_the_distribution():
     assert torch.allclose(counts[:4], expected[:4], atol=80)
 
 
-def test_top_p_and_min_p_cut_the_tail():
+def test_top_p_and_min_p_cut_the_tail(kernels):
     logits = torch.full((1, VOCAB), -10.0)
     logits[0, 5], logits[0, 6], logits[0, 7] = 5.0, 4.0, 0.0
-    sampler = Sampler(0)
+    sampler = Sampler(0, kernels)
     top_p = {sampler.sample(logits, [make_request(temperature=1.0, top_p=0.5)])[0][0] for _ in range(200)}
     assert top_p == {5}
     min_p = {sampler.sample(logits, [make_request(temperature=1.0, min_p=0.2)])[0][0] for _ in range(300)}
     assert min_p == {5, 6}
 
 
-def test_penalties_push_away_repeated_tokens():
+def test_penalties_push_away_repeated_tokens(kernels):
     logits = torch.zeros(1, VOCAB)
     logits[0, 7] = 1.0
     logits[0, 8] = 0.9
-    assert Sampler(0).sample(logits, [make_request(temperature=0)])[0] == [7]
+    assert Sampler(0, kernels).sample(logits, [make_request(temperature=0)])[0] == [7]
     for params in (dict(frequency_penalty=0.5), dict(presence_penalty=0.5), dict(repetition_penalty=2.0)):
-        tokens, _ = Sampler(0).sample(logits, [make_request(output=(7,), temperature=0, **params)])
+        tokens, _ = Sampler(0, kernels).sample(logits, [make_request(output=(7,), temperature=0, **params)])
         assert tokens == [8], params
 
 
-def test_repetition_penalty_covers_prompt_tokens():
+def test_repetition_penalty_covers_prompt_tokens(kernels):
     logits = torch.zeros(1, VOCAB)
     logits[0, 3] = 1.0
     logits[0, 9] = 0.8
-    tokens, _ = Sampler(0).sample(
+    tokens, _ = Sampler(0, kernels).sample(
         logits, [make_request(prompt=(3, 4), temperature=0, repetition_penalty=1.5)]
     )
     assert tokens == [9]
 
 
-def test_min_tokens_suppresses_eos_and_stop_tokens():
+def test_min_tokens_suppresses_eos_and_stop_tokens(kernels):
     logits = torch.zeros(1, VOCAB)
     logits[0, 2] = 10.0  # eos
     logits[0, 11] = 9.0
     logits[0, 12] = 8.0
     request = make_request(temperature=0, min_tokens=2, stop_token_ids=[11])
-    assert Sampler(0).sample(logits, [request])[0] == [12]
+    assert Sampler(0, kernels).sample(logits, [request])[0] == [12]
     request = make_request(output=(20, 21), temperature=0, min_tokens=2, stop_token_ids=[11])
-    assert Sampler(0).sample(logits, [request])[0] == [2]
+    assert Sampler(0, kernels).sample(logits, [request])[0] == [2]
 
 
-def test_min_tokens_suppresses_every_eos_id():
+def test_min_tokens_suppresses_every_eos_id(kernels):
     logits = torch.zeros(1, VOCAB)
     logits[0, 2], logits[0, 30], logits[0, 12] = 10.0, 9.0, 8.0
     request = make_request(temperature=0, min_tokens=1)
     request.eos_token_ids = (2, 30)
-    assert Sampler(0).sample(logits, [request])[0] == [12]
+    assert Sampler(0, kernels).sample(logits, [request])[0] == [12]
 
 
-def test_logprobs_report_sampled_and_top_tokens():
+def test_logprobs_report_sampled_and_top_tokens(kernels):
     logits = random_logits(2, seed=3)
-    tokens, logprobs = Sampler(0).sample(
+    tokens, logprobs = Sampler(0, kernels).sample(
         logits, [make_request("a", temperature=0, logprobs=3), make_request("b")]
     )
     expected = torch.log_softmax(logits[0], -1)
@@ -140,7 +156,7 @@ def reference_draw(probs: torch.Tensor, top_k: int, top_p: float, min_p: float, 
     return int(order[torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=len(cdf) - 1)])
 
 
-def test_truncated_draws_match_a_full_sort():
+def test_truncated_draws_match_a_full_sort(kernels):
     """Rows whose kept set lies past the first candidates (flat logits, top-p 0.9) must look again."""
     from nanoserve.model.sampler import CANDIDATES
 
@@ -159,7 +175,7 @@ def test_truncated_draws_match_a_full_sort():
         requests = [make_request(str(i), temperature=1.0, seed=100 + i, **c) for i, c in enumerate(cases)]
         for _ in range(5):
             expected_u = [torch.rand(1, generator=r.generator.clone_state())[0].item() for r in requests]
-            tokens, _ = Sampler(0).sample(logits, requests)
+            tokens, _ = Sampler(0, kernels).sample(logits, requests)
             probs = torch.softmax(logits, dim=-1)
             for i, c in enumerate(cases):
                 expected = reference_draw(
@@ -168,9 +184,9 @@ def test_truncated_draws_match_a_full_sort():
                 assert tokens[i] == expected, (scale, c)
 
 
-def test_top_k_draws_follow_the_renormalized_distribution():
+def test_top_k_draws_follow_the_renormalized_distribution(kernels):
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0] + [-1.0] * (VOCAB - 4)])
-    sampler = Sampler(0)
+    sampler = Sampler(0, kernels)
     counts = torch.zeros(VOCAB)
     for _ in range(3000):
         counts[sampler.sample(logits, [make_request(temperature=1.0, top_k=3)])[0][0]] += 1
@@ -179,15 +195,15 @@ def test_top_k_draws_follow_the_renormalized_distribution():
     assert torch.allclose(counts[:3], expected, atol=100)
 
 
-def test_a_seeded_stream_resumes_from_its_seed_after_k_draws():
+def test_a_seeded_stream_resumes_from_its_seed_after_k_draws(kernels):
     """One uniform per sampled token: a request restarted with its generator advanced by k draws
     continues the stream exactly (what an engine restart relies on)."""
     logits = random_logits(1, seed=4) * 0.2
     request = make_request(temperature=0.9, top_p=0.95, seed=77)
-    stream = [Sampler(0).sample(logits, [request])[0][0] for _ in range(10)]
+    stream = [Sampler(0, kernels).sample(logits, [request])[0][0] for _ in range(10)]
     resumed = make_request(temperature=0.9, top_p=0.95, seed=77)
     torch.rand(6, generator=resumed.generator)
-    assert [Sampler(1).sample(logits, [resumed])[0][0] for _ in range(4)] == stream[6:]
+    assert [Sampler(1, kernels).sample(logits, [resumed])[0][0] for _ in range(4)] == stream[6:]
     assert len(set(stream)) > 1
 
 
@@ -205,13 +221,13 @@ def drafted_logits(request: Request, draft: list[int]) -> torch.Tensor:
     return torch.stack([model_logits(tokens + draft[:j]) for j in range(len(draft) + 1)])
 
 
-def test_verification_keeps_the_drafts_up_to_the_first_mismatch_then_the_sampled_token():
+def test_verification_keeps_the_drafts_up_to_the_first_mismatch_then_the_sampled_token(kernels):
     a = make_request("a", temperature=0, logprobs=1)
     b = make_request("b", temperature=0)
     logits = torch.full((5, VOCAB), -1.0)
     for row, token in enumerate([4, 5, 9, 6, 8]):  # a's rows: 4 5 9 6; b's row: 8
         logits[row, token] = 3.0
-    tokens, logprobs = Sampler(0).sample_and_verify(logits, [a, b], [[4, 5, 6], []])
+    tokens, logprobs = Sampler(0, kernels).sample_and_verify(logits, [a, b], [[4, 5, 6], []])
     assert tokens == [[4, 5, 9], [8]]
     assert logprobs[1] is None and logprobs[0] is not None
     assert [entries[0][0] for entries in logprobs[0]] == [4, 5, 9]  # one entry per kept token
@@ -219,21 +235,21 @@ def test_verification_keeps_the_drafts_up_to_the_first_mismatch_then_the_sampled
     assert abs(logprobs[0][2][0][1] - expected) < 1e-5
 
 
-def test_each_draft_position_sees_the_drafts_before_it_as_output():
+def test_each_draft_position_sees_the_drafts_before_it_as_output(kernels):
     """A frequency penalty learns of the drafted 7 at the next position, as plain decoding would."""
     logits = torch.zeros(3, VOCAB)
     logits[:, 7], logits[:, 8] = 2.0, 1.0
     request = make_request(temperature=0, frequency_penalty=2.0)
-    tokens, _ = Sampler(0).sample_and_verify(logits, [request], [[7, 7]])
+    tokens, _ = Sampler(0, kernels).sample_and_verify(logits, [request], [[7, 7]])
     assert tokens == [[7, 8]]
 
 
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9, top_k=20)])
-def test_seeded_sampling_with_drafts_gives_the_tokens_of_plain_sampling(params):
+def test_seeded_sampling_with_drafts_gives_the_tokens_of_plain_sampling(kernels, params):
     """Drawing each verified position with the uniform plain decoding would use there: the same tokens,
     right and wrong drafts alike, and the generator left one draw per token on."""
     plain = make_request(seed=5, **params)
-    sampler = Sampler(0)
+    sampler = Sampler(0, kernels)
     for _ in range(40):
         token = sampler.sample(model_logits(plain.all_token_ids).unsqueeze(0), [plain])[0][0]
         plain.append_output_token(token)
@@ -253,3 +269,60 @@ def test_seeded_sampling_with_drafts_gives_the_tokens_of_plain_sampling(params):
     assert num_rejected > 0 and len(set(plain.output_token_ids)) > 3
     assert speculative.generator is not None and plain.generator is not None
     assert torch.equal(speculative.generator.get_state(), plain.generator.get_state())
+
+
+def exact_draw(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, u: float
+) -> int:
+    """The sampling rules in float64 over a full sort, ties in index order (the kernel's order)."""
+    masses = torch.exp((logits.double() - logits.max()) / temperature)
+    if not (0 < top_k < len(logits) or top_p < 1.0 or min_p > 0.0):
+        cdf = masses.cumsum(0)
+        return int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=len(cdf) - 1))
+    values, order = masses.sort(descending=True, stable=True)
+    width = top_k if 0 < top_k < len(logits) else len(logits)
+    values, order = values[:width], order[:width]
+    total = values.sum() if width < len(logits) else masses.sum()
+    cumulative = values.cumsum(0)
+    keep = ((cumulative - values) < top_p * total) & (values >= min_p * values[0])
+    keep[0] = True
+    cdf = values[: int(keep.sum())].cumsum(0)
+    return int(order[torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=len(cdf) - 1)])
+
+
+def test_kernel_draws_match_exact_sampling_over_a_real_sized_vocabulary():
+    """bf16-rounded logits over 49152 tokens (many ties), peaky and flat rows: the kernel's draws are
+    those of float64 arithmetic over a full sort, whether the kept tokens are a few or thousands."""
+    module = cpu_kernels()
+    if module is None:
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    vocab, rows = 49152, 8
+    gen = torch.Generator().manual_seed(3)
+    cases = [
+        (0.8, 0, 1.0, 0.0),
+        (0.8, 0, 0.95, 0.0),
+        (1.0, 50, 1.0, 0.0),
+        (0.7, 0, 1.0, 0.05),
+        (1.2, 200, 0.9, 0.01),
+        (1.5, 3000, 1.0, 0.0),
+        (2.0, 0, 0.99, 0.0),
+        (1.0, 0, 1.0, 1e-9),
+    ]
+    agree = total = 0
+    for scale in (0.5, 8.0):
+        logits = (torch.randn(rows, vocab, generator=gen) * scale).bfloat16().float()
+        for temperature, top_k, top_p, min_p in cases:
+            uniforms = torch.rand(rows, generator=gen)
+            tokens = module.sample_rows(
+                logits,
+                torch.full((rows,), temperature),
+                torch.full((rows,), top_k),
+                torch.full((rows,), top_p),
+                torch.full((rows,), min_p),
+                uniforms,
+            ).tolist()
+            for row in range(rows):
+                expected = exact_draw(logits[row], temperature, top_k, top_p, min_p, uniforms[row].item())
+                agree += tokens[row] == expected
+                total += 1
+    assert total - agree <= 1, f"{total - agree} of {total} draws differ"

@@ -21,7 +21,11 @@ moves the bundle to a node that has room (within the strategy) and the actor sta
 
 Shutdown: every running rank is asked to stop over its input socket (a SHUTDOWN request: no signal
 reaches a process on another machine), drains for `shutdown_timeout` seconds and returns 0; whatever
-is left after the grace period is killed with `ray.kill`, then the placement group is removed.
+is left after the grace period is killed with `ray.kill`, then the placement group is removed. The
+manager then lets go of every Ray object it held (actor handles, object refs) on the thread that shut
+it down, and makes no Ray call after that: Ray ends the whole process, with exit status 1 and no
+traceback, when a thread touches it while `ray.shutdown()` is tearing its core worker down, and a
+handle freed late (say, when the last rank watcher drops the manager) does just that.
 
 Sockets: on a Ray started here, or a cluster whose nodes are all on loopback, the frontend binds
 127.0.0.1. On any other cluster it binds every interface and engines dial this node's IP
@@ -69,6 +73,8 @@ logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.2
 """How long one ray.wait of the watcher lasts before it checks whether the manager is shutting down."""
+WATCHER_JOIN_S = 10.0
+"""How long shutdown waits for the watcher to leave Ray alone (one WATCH_INTERVAL_S on an idle machine)."""
 KILL_WAIT_S = 5.0
 """How long shutdown waits for Ray to report killed actors dead before removing their placement group."""
 LOCAL_OBJECT_STORE_BYTES = 128 * 1024 * 1024
@@ -176,6 +182,9 @@ class _RankActor:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     result: tuple[int | None, EngineDeathRecord | None] | None = None
     """(exit code, Ray's account of the end) once it has ended."""
+
+    def drop_ray_objects(self) -> None:
+        self.actor = self.where_ref = self.run_ref = None
 
 
 class RayEngineManager:
@@ -322,8 +331,11 @@ class RayEngineManager:
                 ranked.write_end.send_bytes(b"")
 
     def kill(self, rank: int) -> None:
-        with contextlib.suppress(Exception):
-            import_ray().kill(self._ranks[rank].actor, no_restart=True)
+        with self._lock:
+            if self._closed:  # shutdown kills every actor itself, and then Ray may be going away
+                return
+            with contextlib.suppress(Exception):
+                import_ray().kill(self._ranks[rank].actor, no_restart=True)
 
     def sentinel(self, rank: int) -> int:
         return self._ranks[rank].read_end.fileno()
@@ -360,7 +372,7 @@ class RayEngineManager:
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Ask every running rank to stop, wait for the drain, ray.kill every actor, remove the
-        placement group, leave Ray. Bounded and idempotent."""
+        placement group, drop every Ray object, leave Ray. Bounded and idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -373,11 +385,16 @@ class RayEngineManager:
         finally:
             self._stopping.set()
             if self._watcher is not None and self._watcher is not threading.current_thread():
-                self._watcher.join(WATCH_INTERVAL_S * 5)
+                self._watcher.join(WATCHER_JOIN_S)
+                if self._watcher.is_alive():
+                    logger.warning(
+                        "the Ray watcher of the engine actors did not stop within %.0f s", WATCHER_JOIN_S
+                    )
             with self._lock:  # whoever still waits on a sentinel wakes (at EOF) and sees the shutdown
                 for ranked in self._ranks.values():
                     ranked.write_end.close()
-            self._model_ref = None
+                    ranked.drop_ray_objects()
+                self._placement_group = self._model_ref = None
             _SESSION.leave()
 
     def _stop_actors(self, timeout: float) -> None:

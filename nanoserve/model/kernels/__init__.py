@@ -24,7 +24,8 @@ from nanoserve import envs
 logger = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "quant_matmul.cpp", "fused_decoder.cpp")
+    Path(__file__).with_name(name)
+    for name in ("cpu_kernels.cpp", "quant_matmul.cpp", "fused_decoder.cpp", "sampling.cpp")
 ]
 HEADERS = [Path(__file__).with_name("kernels.h")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

@@ -19,6 +19,7 @@
 // add_rms_norm: the residual add and the next norm in one pass (the fused decode step's).
 //
 // quant_matmul (quant_matmul.cpp): group-quantized weights times int8-quantized activations, for decode.
+// sample_rows (sampling.cpp): temperature, top-k, top-p and min-p sampling, a row per task.
 // FusedDecoder (fused_decoder.cpp): a whole decode step of the Llama-shaped families, kernel after kernel.
 #include "kernels.h"
 
@@ -428,5 +429,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("quant_matmul_supported", &quant_matmul_supported);
   m.def("quant_matmul", &quant_matmul);
+  m.def("sample_rows", &sample_rows);
   register_fused_decoder(m);
 }

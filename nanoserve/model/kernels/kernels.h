@@ -18,4 +18,7 @@ torch::Tensor gelu_tanh_and_mul(torch::Tensor x);
 bool quant_matmul_supported();
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits);
 
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
+                          torch::Tensor top_p, torch::Tensor min_p, torch::Tensor uniforms);
+
 void register_fused_decoder(pybind11::module& m);
