@@ -4,9 +4,9 @@ Two workloads, greedy, EOS ignored: a chat request asking to summarise a passage
 it, so prompt lookup drafts well), and `bench throughput`'s 32-token prompts at each batch size (to
 show speculation backing off where its drafts do not pay). Both engines run in this process, so the
 scheduler's draft/accepted counts can be read. "same ids" compares the two engines' tokens: in float32
-they are identical; in bfloat16 a verification pass computes a position in a batch of several tokens,
-whose rounding differs from a one-token decode step, so a near tie can fall the other way (as it can
-between batch sizes without speculation).
+they are identical; in bfloat16 the matmuls of a verification step see more rows than a one-token decode
+step, and a kernel chosen by step size may round differently, so a near tie can fall the other way (as it
+can between batch sizes without speculation).
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ Requests are split into at most two groups per step, each one attention call per
   so K/V are never repeated for GQA;
 - prefill (longer queries, chunked or not): queries padded to [num_seqs, max_query_len] and one
   `scaled_dot_product_attention` call with a causal mask.
-Splitting keeps a long prefill from padding every decode in the batch to its length.
+Splitting keeps a long prefill from padding every decode in the batch to its length. A short query
+(a decode with its speculative drafts, up to `max_decode_query_len` tokens) joins the decode group as
+one row per token, each a sequence that ends at its own position: that is the causal mask, and it keeps
+a verification step on the decode kernels (and the fused decode step) rather than on prefill attention.
 
 Per layer, attention may be limited to a sliding window (the keys within `window` positions of the
 query, itself included), its scores soft-capped (cap * tanh(score / cap)) and its queries scaled by a
@@ -107,7 +110,9 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     kernels: ModuleType | None = None,
+    max_decode_query_len: int = 1,
 ) -> AttentionMetadata:
+    """max_decode_query_len: queries up to this long are attended as decode rows, one per token."""
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     # blocks freed behind a sliding window are masked out; any valid id will do for the gather
@@ -126,16 +131,57 @@ def build_attention_metadata(
     )
     slots = block_table[seq_of_token, positions // block_size] * block_size + positions % block_size
 
+    if max_decode_query_len > 1 and bool((query_lens > 1).any()):
+        query_lens, seq_lens, token_starts, block_table = _split_short_queries(
+            query_lens, seq_lens, token_starts, block_table, max_decode_query_len
+        )
     is_decode = query_lens == 1
     groups = []
     for members in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
         if len(members):
             groups.append(
                 _build_group(
-                    members, num_seqs, query_lens, seq_lens, token_starts, block_table, block_size, device
+                    members,
+                    len(query_lens),
+                    query_lens,
+                    seq_lens,
+                    token_starts,
+                    block_table,
+                    block_size,
+                    device,
                 )
             )
     return AttentionMetadata(num_tokens, _to_device(slots, device), groups, kernels)
+
+
+def _split_short_queries(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    token_starts: np.ndarray,
+    block_table: np.ndarray,
+    max_len: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each request whose query has 2..max_len tokens becomes that many one-token rows, the i-th a
+    sequence of seq_len - query_len + 1 + i tokens over the request's blocks; the others stay whole.
+    Rows keep the flat token order, so a step of decodes and drafts is still one in-order decode group."""
+    split = (query_lens > 1) & (query_lens <= max_len)
+    rows_per_request = np.where(split, query_lens, 1)
+    request_of_row = np.repeat(np.arange(len(query_lens)), rows_per_request)
+    is_split = split[request_of_row]
+    offset = np.arange(len(request_of_row)) - np.repeat(
+        np.cumsum(rows_per_request) - rows_per_request, rows_per_request
+    )
+    offset = np.where(is_split, offset, 0)
+    q_lens = query_lens[request_of_row]
+    row_seq_lens = np.where(
+        is_split, seq_lens[request_of_row] - q_lens + 1 + offset, seq_lens[request_of_row]
+    )
+    return (
+        np.where(is_split, 1, q_lens),
+        row_seq_lens,
+        token_starts[request_of_row] + offset,
+        block_table[request_of_row],
+    )
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -68,6 +68,8 @@ class ModelRunner:
             "loaded %s (%s) in %.1f s", self.config.name, self.dtype_name, time.perf_counter() - start
         )
         self.sampler = Sampler(options.seed, self.kernels)
+        self.max_decode_query_len = 1 + options.spec_num_tokens if options.speculative != "none" else 1
+        """A decode with its drafts is verified on the decode path (see build_attention_metadata)."""
         self.kv_caches: list[torch.Tensor] = []
         self._offloaded: dict[str, torch.Tensor] | None = None
 
@@ -178,7 +180,13 @@ class ModelRunner:
             block_table[i, : len(c.block_ids)] = c.block_ids
 
         attn = build_attention_metadata(
-            query_lens, seq_lens, block_table, self.options.block_size, self.device, self.kernels
+            query_lens,
+            seq_lens,
+            block_table,
+            self.options.block_size,
+            self.device,
+            self.kernels,
+            self.max_decode_query_len,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         positions_t = torch.from_numpy(positions).to(self.device, non_blocking=True)

@@ -116,3 +116,38 @@ def test_fused_decode_on_the_bundled_model(bundled_gguf_path, quantization):
         engine.shutdown()
     assert ids["auto"] == ids["unfused"]
     assert torch.tensor(ids["auto"][0]).unique().numel() > 1, "a real continuation, not one repeated token"
+
+
+class CountingDecoder:
+    """A FusedDecoder that counts its calls."""
+
+    def __init__(self, fused) -> None:
+        self.fused, self.num_calls = fused, 0
+
+    def forward(self, x, *args):
+        self.num_calls += 1
+        return self.fused.forward(x, *args)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-gqa-tied", "mistral-window"])
+def test_drafted_steps_stay_on_the_fused_decode_step(shape, tmp_path):
+    model_dir = build_family(shape, tmp_path / shape)
+    phrases = _prompts(4, seed=3)
+    prompts = [(p[:5] * 8)[: 30 + 3 * i] for i, p in enumerate(phrases)]  # loops the lookup predicts
+    plain, _ = _greedy(_engine(model_dir, "auto"), prompts, "p")
+    engine = _engine(model_dir, "auto", speculative="ngram")
+    model = engine.runner.model
+    assert model is not None
+    model.fused_decoder = counting = CountingDecoder(model.fused_decoder)
+    execute, steps = engine.runner.execute, []
+
+    def counted(scheduled):
+        if all(c.num_known_tokens == 1 for c in scheduled.chunks):
+            steps.append(sum(len(c.draft_token_ids) for c in scheduled.chunks))
+        return execute(scheduled)
+
+    engine.runner.execute = counted
+    drafted, _ = _greedy(engine, prompts, "s")
+    assert drafted == plain
+    assert any(steps) and counting.num_calls == len(steps), "every decode step, drafted or not, is fused"
+    assert engine.scheduler.get_stats().num_accepted_tokens > 0

@@ -192,6 +192,30 @@ def test_attention_metadata_groups():
     assert prefill.visible(None)[1, :2, :7].tolist() == [[True] * 5 + [False] * 2, [True] * 6 + [False]]
 
 
+def test_a_decode_with_drafts_is_attended_as_decode_rows():
+    block_table = np.array([[3, 1, 0], [2, 5, 4], [6, 0, 0]], dtype=np.int32)
+    # request 0 decodes with 2 drafts (positions 6..8), request 1 decodes plainly, request 2 with 1 draft
+    verify = build_attention_metadata(
+        np.array([3, 1, 2]), np.array([9, 9, 3]), block_table, 4, torch.device("cpu"), None, 4
+    )
+    assert verify.slot_mapping.tolist() == [1 * 4 + 2, 1 * 4 + 3, 0 * 4 + 0, 4 * 4 + 0, 6 * 4 + 1, 6 * 4 + 2]
+    group = verify.decode_only
+    assert group is not None and group.num_seqs == 6 and group.token_index is None
+    # each row is a sequence ending at its own token: the causal mask
+    assert group.seq_lens.tolist() == [7, 8, 9, 9, 2, 3]
+    assert group.block_table.tolist() == [[3, 1, 0]] * 3 + [[2, 5, 4]] + [[6, 0, 0]] * 2
+    assert group.visible(None)[:3, 0, :10].sum(dim=1).tolist() == [7, 8, 9]
+
+    # beside a prefill the rows keep their flat token rows; a query over the limit stays a prefill
+    mixed = build_attention_metadata(
+        np.array([2, 5]), np.array([6, 5]), block_table[:2], 4, torch.device("cpu"), None, 4
+    )
+    decode, prefill = mixed.groups
+    assert decode.out_index is not None and prefill.out_index is not None and not prefill.is_decode
+    assert decode.out_index.tolist() == [0, 1] and decode.seq_lens.tolist() == [5, 6]
+    assert prefill.out_index.tolist() == [2, 3, 4, 5, 6]
+
+
 def test_bf16_prepacked_linears_match_plain(tiny_gqa_dir):
     from nanoserve.model.layers.linear import Linear, cpu_prepack_supported
 
