@@ -15,6 +15,7 @@ from nanoserve.entrypoints.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
 
 def run(coro):
@@ -53,15 +54,18 @@ def test_generate_matches_llm_and_streams_deltas(tiny_gqa_dir):
                 out
                 async for out in engine.generate({"prompt_token_ids": expected[1].prompt_token_ids}, GREEDY)
             ]
-            return cumulative, deltas, token_ids
+            # outputs that reach a lagging consumer are merged: 12 fast steps may come as one, 200 do not
+            long = [out async for out in engine.generate("Once upon a time", LONG, "long")]
+            return cumulative, deltas, token_ids, long
         finally:
             engine.shutdown()
 
-    cumulative, deltas, token_ids = run(main())
+    cumulative, deltas, token_ids, long = run(main())
     final = cumulative[-1].outputs[0]
     assert cumulative[-1].finished and not any(o.finished for o in cumulative[:-1])
     assert final.token_ids == expected[0].outputs[0].token_ids and final.text == expected[0].outputs[0].text
-    assert len(cumulative) > 1  # it streamed
+    assert len(long) > 1 and long[-1].finished and not any(o.finished for o in long[:-1])  # it streamed
+    assert long[-1].outputs[0].token_ids[: len(final.token_ids)] == final.token_ids
     assert "".join(d.outputs[0].text for d in deltas) == final.text
     assert sum((d.outputs[0].token_ids for d in deltas), []) == final.token_ids
     assert token_ids[-1].outputs[0].token_ids == expected[1].outputs[0].token_ids
