@@ -53,6 +53,9 @@ def system_label(system: str) -> str:
     return LABELS[system]
 
 
+MODES = (("tok_s", ""), ("sampled_tok_s", " sampled"))
+"""Each system's measurements: (result key, label suffix), greedy then sampled."""
+
 # A runner: (throughput(prompts, new_tokens, sampled) -> tok/s, ttft(prompt) -> seconds, largest batch it runs).
 Runner = tuple[Callable[[list[list[int]], int, bool], float], Callable[[list[int]], float], int | None]
 
@@ -176,8 +179,8 @@ def worker(system: str, spec_file: str, result_file: str) -> None:
             if max_batch is not None and int(batch) > max_batch:
                 continue
             throughput(prompts, 4, False)  # warm-up
-            for key, sampled in (("tok_s", False), ("sampled_tok_s", True)):
-                runs = [throughput(prompts, spec["new_tokens"], sampled) for _ in range(spec["repeats"])]
+            for key, suffix in MODES:
+                runs = [throughput(prompts, spec["new_tokens"], bool(suffix)) for _ in range(spec["repeats"])]
                 result[key][batch] = runs
                 save()
         ttft(spec["ttft_prompts"][0])  # warm-up
@@ -242,7 +245,7 @@ def print_table(results: dict[str, dict], batches: list[str], ttft_len: int) -> 
     header = "".join(f"{'batch ' + b:>{width}}" for b in batches) + f"{f'TTFT-{ttft_len} ms':>{width}}"
     print(f"{'':<{label}}" + header)
     for name, r in results.items():
-        for key, suffix in (("tok_s", ""), ("sampled_tok_s", " sampled")):
+        for key, suffix in MODES:
             runs = r.get(key, {})
             cells = [summarize(runs[b]) if b in runs else "-" for b in batches]
             cells.append(summarize([s * 1000 for s in r["ttft_s"]]) if r["ttft_s"] and not suffix else "-")
@@ -259,7 +262,7 @@ def print_table(results: dict[str, dict], batches: list[str], ttft_len: int) -> 
         for name, r in results.items():
             if name.startswith("nanoserve"):
                 continue
-            for key, suffix in (("tok_s", ""), ("sampled_tok_s", " sampled")):
+            for key, suffix in MODES:
                 mine, theirs = ours.get(key, {}), r.get(key, {})
                 cells = [ratio(mine.get(b, []), theirs.get(b, [])) for b in batches]
                 cells.append("-" if suffix else ratio(ours["ttft_s"], r["ttft_s"]))
@@ -341,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
                 statistics.median(runs[b]) if b in runs else math.nan for b in batches
             ]
             for name, r in results.items()
-            for key, suffix in (("tok_s", ""), ("sampled_tok_s", " sampled"))
+            for key, suffix in MODES
             if (runs := r.get(key, {}))
         }
         plot_throughput(args.plot, [int(b) for b in batches], curves)

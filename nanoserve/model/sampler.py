@@ -145,7 +145,11 @@ class Sampler:
             apply_logits_controls(logits, requests, grammar_bitmask)
 
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        uniforms, rewinds = self._uniforms(requests, spans or [(i, 1) for i in range(len(requests))], rows)
+        uniforms, rewinds = (
+            self._uniforms(requests, spans or [(i, 1) for i in range(len(requests))])
+            if rows
+            else (torch.zeros(len(requests)), [])
+        )
         if self.kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
             return self._sample_in_kernel(logits.contiguous(), params, uniforms), raw_logits, rewinds
         token_ids = logits.argmax(dim=-1)
@@ -168,13 +172,10 @@ class Sampler:
         return self.kernels.sample_rows(logits, temperature, top_k, top_p, min_p, uniforms)
 
     def _uniforms(
-        self, rows: Sequence[SampledSequence], spans: list[tuple[int, int]], sampled_rows: list[int]
+        self, rows: Sequence[SampledSequence], spans: list[tuple[int, int]]
     ) -> tuple[torch.Tensor, list[tuple[int, torch.Generator, torch.Tensor]]]:
         """One uniform per row: a seeded request's rows from its own generator, in order, the rest in
-        one draw from ours. Greedy rows' uniforms are never used, and seeded greedy requests draw none;
-        a batch without sampled rows (sampled_rows empty) draws nothing."""
-        if not sampled_rows:
-            return torch.zeros(len(rows)), []
+        one draw from ours. Greedy rows' uniforms are never used, and seeded greedy requests draw none."""
         uniforms = torch.rand(len(rows), generator=self.generator)
         rewinds = []
         for i, (start, count) in enumerate(spans):
