@@ -7,8 +7,9 @@ is exactly the batched-matmul layout attention wants, so the gather is the only 
 Requests are split into at most two groups per step, each one attention call per layer:
 - decode (query length 1): batched matmuls with the query heads that share a KV head stacked as rows,
   so K/V are never repeated for GQA;
-- prefill (longer queries, chunked or not): queries padded to [num_seqs, max_query_len] and one
-  `scaled_dot_product_attention` call with a causal mask.
+- prefill (longer queries, chunked or not): with the C++ kernels, a causal flash-style kernel that reads
+  K/V in place and skips the keys after each query; otherwise queries padded to [num_seqs, max_query_len]
+  and one `scaled_dot_product_attention` call with a causal mask.
 Splitting keeps a long prefill from padding every decode in the batch to its length. A short query
 (a decode with its speculative drafts, up to `max_decode_query_len` tokens) joins the decode group as
 one row per token, each a sequence that ends at its own position: that is the causal mask, and it keeps
@@ -54,7 +55,11 @@ class AttentionGroup:
     block_table: torch.Tensor
     """int32 [num_seqs, num_ctx_blocks], for the decode kernel."""
     seq_lens: torch.Tensor
-    """int64 [num_seqs], for the decode kernel."""
+    """int64 [num_seqs], for the decode and prefill kernels."""
+    query_starts: torch.Tensor
+    """int64 [num_seqs] flat token row of each request's first query, for the prefill kernel."""
+    query_lens: torch.Tensor
+    """int64 [num_seqs] each request's real queries, for the prefill kernel."""
     device: torch.device
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -223,6 +228,8 @@ def _build_group(
         out_index=None if out_index is None else _to_device(out_index, device),
         block_table=_to_device(block_table[members, :num_ctx_blocks].astype(np.int32), device),
         seq_lens=_to_device(s_lens, device),
+        query_starts=_to_device(starts, device),
+        query_lens=_to_device(q_lens, device),
         device=device,
     )
 
@@ -295,6 +302,18 @@ def _attend_group(
             q = q.index_select(0, group.token_index)
         return kernels.paged_decode_attention(
             q.contiguous(), kv_cache, group.block_table, group.seq_lens, scale, window or 0, softcap or 0.0
+        )
+    if kernels is not None:
+        return kernels.paged_prefill_attention(
+            q.contiguous(),
+            kv_cache,
+            group.block_table,
+            group.query_starts,
+            group.query_lens,
+            group.seq_lens,
+            scale,
+            window or 0,
+            softcap or 0.0,
         )
     blocks = kv_cache.view(2, kv_cache.shape[1], kv_cache.shape[2], -1)
     num_kv_heads = blocks.shape[1]

@@ -1,4 +1,5 @@
-"""The C++ decode-attention kernel against attention written out in PyTorch, on a scattered paged cache.
+"""The C++ decode- and prefill-attention kernels against attention written out in PyTorch, on a scattered
+paged cache.
 
 The model tests run the kernel through tiny models (head size 16); these cover the head sizes compiled
 as constants (64 is the bundled model's), contexts of many blocks whose scores grow along the context
@@ -120,3 +121,83 @@ def test_builds_are_kept_apart_per_cpu():
     assert library_name(here) == library_name(here)
     assert library_name(here) != library_name(here + " amx_tile")
     assert library_name(here) != library_name("x86_64 Another CPU fpu sse2 avx2")
+
+
+def _prefill_reference(q, kv_cache, block_table, query_lens, seq_lens, scale, window, softcap):
+    """Each sequence's queries sit at the last query_len positions of its context."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
+    per_kv = num_heads // num_kv_heads
+    out, row = [], 0
+    for seq, (query_len, context) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        blocks = block_table[seq, : math.ceil(context / block_size)].long()
+        k, v = (
+            kv_cache[i][:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :context].float() for i in (0, 1)
+        )
+        k, v = k.repeat_interleave(per_kv, 0), v.repeat_interleave(per_kv, 0)
+        queries = q[row : row + query_len].float().transpose(0, 1)  # [heads, query_len, head_dim]
+        scores = queries @ k.transpose(1, 2) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        positions = torch.arange(context - query_len, context)[:, None]
+        keys = torch.arange(context)[None, :]
+        visible = keys <= positions
+        if window:
+            visible &= keys > positions - window
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+        out.append((probs @ v).transpose(0, 1).reshape(query_len, -1))
+        row += query_len
+    return torch.cat(out)
+
+
+PREFILL_CASES = {
+    # (num_heads, num_kv_heads, [(query_len, seq_len)]): whole prompts, chunks of longer ones (queries
+    # after a cached context), a tile's worth and a fraction of one, a single query among prefills
+    "gqa": (9, 3, [(37, 37), (5, 50), (16, 16), (1, 9), (70, 200)]),
+    "mha": (4, 4, [(300, 300), (17, 40)]),
+}
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES)
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "window, softcap", [(0, 0.0), (40, 0.0), (0, 2.0), (7, 3.0)], ids=["plain", "window", "softcap", "both"]
+)
+def test_prefill_attention_matches_reference(kernels, two_threads, case, head_dim, dtype, window, softcap):
+    """Blocks wholly behind every query's window hold NaN, as a freed and reused block may: they must
+    never be read."""
+    torch.manual_seed(head_dim + window)
+    num_heads, num_kv_heads, shapes = PREFILL_CASES[case]
+    query_lens = [query_len for query_len, _ in shapes]
+    seq_lens = [context for _, context in shapes]
+    block_size, num_blocks = 16, 160
+    kv_cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim) * 2
+    # q of the step's tokens, sequence after sequence, with two more rows (other requests' tokens)
+    q = torch.randn(sum(query_lens) + 2, num_heads, head_dim)
+    q, kv_cache = q.to(dtype), kv_cache.to(dtype)
+    block_table = torch.stack([torch.randperm(num_blocks - 1)[:24] for _ in shapes]).int()
+    scale = 1.5 / math.sqrt(head_dim)
+    reference = _prefill_reference(q, kv_cache, block_table, query_lens, seq_lens, scale, window, softcap)
+    if window:
+        kv_cache[:, :, num_blocks - 1] = float("nan")
+        for seq, (query_len, context) in enumerate(shapes):
+            first = max(0, context - query_len - window + 1)
+            block_table[seq, : first // block_size] = num_blocks - 1
+    starts = torch.tensor([0] + query_lens[:-1]).cumsum(0)
+
+    out = kernels.paged_prefill_attention(
+        q,
+        kv_cache,
+        block_table,
+        starts,
+        torch.tensor(query_lens),
+        torch.tensor(seq_lens),
+        scale,
+        window,
+        softcap,
+    )
+
+    # bfloat16 outputs are rounded to 8 bits of mantissa: the values here reach 8
+    tolerance = dict(atol=1e-4, rtol=0) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), reference, **tolerance)

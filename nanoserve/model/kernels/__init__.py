@@ -25,7 +25,13 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_kernels.cpp", "quant_matmul.cpp", "fused_decoder.cpp", "sampling.cpp")
+    for name in (
+        "cpu_kernels.cpp",
+        "prefill_attention.cpp",
+        "quant_matmul.cpp",
+        "fused_decoder.cpp",
+        "sampling.cpp",
+    )
 ]
 HEADERS = [Path(__file__).with_name("kernels.h")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -61,7 +67,9 @@ def library_name(cpu: str) -> str:
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The module with `paged_decode_attention(q [S, H, D], kv_cache, block_table int32 [S, B], seq_lens
-    int64 [S], scale, window, softcap) -> [S, H * D]` (window, softcap 0: none), `rope_write_kv(qkv, cos_sin,
+    int64 [S], scale, window, softcap) -> [S, H * D]` (window, softcap 0: none), its prefill twin
+    `paged_prefill_attention(q [T, H, D], kv_cache, block_table, query_starts, query_lens, seq_lens, scale,
+    window, softcap) -> [sum(query_lens), H * D]`, `rope_write_kv(qkv, cos_sin,
     kv_cache, slot_mapping, H, Hkv) -> q`, `rms_norm(x [T, hidden], weight, eps)` and `silu_and_mul(x [T, 2 I])`
     / `gelu_tanh_and_mul(x [T, 2 I]) -> [T, I]`, bfloat16 or float32,
     and `quant_matmul(x, codes, scales, bits)` where `quant_matmul_supported()` (see

@@ -18,6 +18,7 @@
 //
 // add_rms_norm: the residual add and the next norm in one pass (the fused decode step's).
 //
+// paged_prefill_attention (prefill_attention.cpp): several new tokens per sequence, causal, from the cache.
 // quant_matmul (quant_matmul.cpp): group-quantized weights times int8-quantized activations, for decode.
 // sample_rows (sampling.cpp): temperature, top-k, top-p and min-p sampling, a row per task.
 // FusedDecoder (fused_decoder.cpp): a whole decode step of the Llama-shaped families, kernel after kernel.
@@ -216,12 +217,7 @@ void decode_attention_any(int64_t head_dim, const T* q, const T* kv, const int32
   case D:                                                                                                  \
     return decode_attention<T, D>(q, kv, block_table, seq_lens, out, num_seqs, num_heads, num_kv_heads,    \
                                   num_blocks, block_size, head_dim, max_blocks, scale, window, softcap);
-    NANOSERVE_HEAD_DIM(32)
-    NANOSERVE_HEAD_DIM(64)
-    NANOSERVE_HEAD_DIM(80)
-    NANOSERVE_HEAD_DIM(96)
-    NANOSERVE_HEAD_DIM(128)
-    NANOSERVE_HEAD_DIM(256)
+    NANOSERVE_FOR_EACH_HEAD_DIM(NANOSERVE_HEAD_DIM)
 #undef NANOSERVE_HEAD_DIM
     default:
       decode_attention<T, 0>(q, kv, block_table, seq_lens, out, num_seqs, num_heads, num_kv_heads, num_blocks,
@@ -425,6 +421,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("paged_prefill_attention", &paged_prefill_attention);
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("quant_matmul_supported", &quant_matmul_supported);

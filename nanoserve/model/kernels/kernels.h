@@ -6,8 +6,14 @@
 
 #include <tuple>
 
+// The head sizes the attention kernels compile as constants (others take their generic path).
+#define NANOSERVE_FOR_EACH_HEAD_DIM(CASE) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(256)
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                                      torch::Tensor seq_lens, double scale, int64_t window, double softcap);
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
+                                      torch::Tensor query_starts, torch::Tensor query_lens, torch::Tensor seq_lens,
+                                      double scale, int64_t window, double softcap);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight,
                                                       double eps);

@@ -1,0 +1,384 @@
+// paged_prefill_attention: sequences with several new tokens each (a prompt, or a chunk of one), causal,
+// grouped-query heads, K and V read in place from the paged cache.
+//
+// PyTorch's CPU attention either writes out every score or, with a mask, computes every (query, key)
+// pair; a causal prompt needs only half of them, and a mask of each shape costs a pass of its own. Here
+// each task is a tile of a sequence's queries with the query heads that share one KV head: a tile's rows
+// read each key and value once per tile, converted to float32 once, and walk the keys a chunk at a time
+// with a running softmax (max and total rescaled when the max grows), up to the tile's last position.
+// Keys past a query's own position, or before its window, are masked out in the chunks that hold both.
+// Tasks differ in cost (a later tile sees more keys), so they are handed out one at a time. Where the CPU
+// has AVX512-BF16, bfloat16 scores and weighted sums are dot products of bf16 pairs (float32 sums), the
+// probabilities rounded to bf16 for the second, as PyTorch's own flash attention does.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QUERY_TILE = 16;  // queries per task
+constexpr int64_t KEY_CHUNK = 16;   // keys scored at once: one vector of float32 scores per row
+constexpr int64_t ROW_GROUP = 8;    // rows scored together, so that their sums are independent chains
+
+// 16 floats, in the registers the CPU has (one AVX-512 register, two AVX ones, ...)
+typedef float vec16 __attribute__((vector_size(64)));
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+
+inline float to_float(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float to_float(float x) { return x; }
+
+// e^x lane by lane, to float precision (Cephes' polynomial for e^r on |r| <= ln 2 / 2, times 2^n); 0 below
+// e^-87, where -inf (a masked score) lands.
+inline vec16 exp16(vec16 x) {
+  const ivec16 keep = x > -87.f;
+  x = x < 88.f ? x : 88.f;
+  x = x > -87.f ? x : -87.f;
+  const vec16 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f), ivec16), vec16);
+  const vec16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vec16 p = 1.9875691500e-4f + r * 0.f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const ivec16 scaled = (ivec16)p + (__builtin_convertvector(n, ivec16) << 23);
+  return (vec16)(scaled & keep);
+}
+
+inline float sum16(vec16 x) {
+  float total = 0.f;
+  for (int t = 0; t < 16; ++t) total += x[t];
+  return total;
+}
+inline float max16(vec16 x) {
+  float m = x[0];
+  for (int t = 1; t < 16; ++t) m = std::max(m, x[t]);
+  return m;
+}
+
+struct Layout {
+  int64_t num_heads, num_kv_heads, per_kv, head_stride, v_offset, block_size, max_blocks;
+};
+
+// A sequence's keys and values for one KV head, a chunk of KEY_CHUNK positions at a time, a key per lane:
+// - float32 (PAIRS false): keys transposed ([chunk][D] vectors), values as rows ([chunk][KEY_CHUNK][D]);
+// - bf16 pairs (PAIRS true): keys as [chunk][D / 2] vectors of (k[2i], k[2i + 1]) per lane, values as
+//   [chunk][KEY_CHUNK / 2][D] pairs (v[2j][d], v[2j + 1][d]), ready for pair dot products.
+struct PackedContext {
+  int64_t first_chunk;
+  std::vector<vec16> keys;
+  std::vector<float> values;
+  std::vector<ivec16> key_pairs;
+  std::vector<uint32_t> value_pairs;
+};
+
+template <bool PAIRS, typename T>
+void pack_context(const T* kv, const int32_t* table, const Layout& L, int64_t D, int64_t kv_head, int64_t start,
+                  int64_t stop, PackedContext& packed) {
+  packed.first_chunk = start / KEY_CHUNK;
+  const int64_t chunks = (stop + KEY_CHUNK - 1) / KEY_CHUNK - packed.first_chunk;
+  if constexpr (PAIRS) {
+    packed.key_pairs.assign(chunks * D / 2, ivec16{});
+    packed.value_pairs.assign(chunks * KEY_CHUNK / 2 * D, 0);
+  } else {
+    packed.keys.assign(chunks * D, vec16{});
+    packed.values.assign(chunks * KEY_CHUNK * D, 0.f);
+  }
+  const T* k_head = kv + kv_head * L.head_stride;
+  for (int64_t pos = start; pos < stop; ++pos) {  // the chunk's lanes before start stay zero: never read
+    const int64_t chunk = pos / KEY_CHUNK - packed.first_chunk, lane = pos % KEY_CHUNK;
+    const T* k = k_head + (table[pos / L.block_size] * L.block_size + pos % L.block_size) * D;
+    const T* v = k + L.v_offset;
+    if constexpr (PAIRS) {
+      uint32_t pair;
+      ivec16* keys = packed.key_pairs.data() + chunk * D / 2;
+      for (int64_t i = 0; i < D / 2; ++i) {
+        std::memcpy(&pair, k + 2 * i, sizeof pair);
+        keys[i][lane] = static_cast<int32_t>(pair);
+      }
+      uint16_t* values = reinterpret_cast<uint16_t*>(packed.value_pairs.data() + (chunk * KEY_CHUNK / 2 + lane / 2) * D);
+      for (int64_t d = 0; d < D; ++d) std::memcpy(values + 2 * d + lane % 2, v + d, sizeof(uint16_t));
+    } else {
+      vec16* keys = packed.keys.data() + chunk * D;
+      float* values = packed.values.data() + (chunk * KEY_CHUNK + lane) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        keys[d][lane] = to_float(k[d]);
+        values[d] = to_float(v[d]);
+      }
+    }
+  }
+}
+
+// out[row] += the chunk's values weighted by p, for a head size known at compile time: the row's sums in
+// registers, even and odd keys in separate sums so that two chains run at once
+template <int FIXED_D>
+inline void add_weighted_values(float* out, vec16 p, const float* values, int64_t D) {
+  if constexpr (FIXED_D > 0 && FIXED_D % 16 == 0) {
+    constexpr int V = FIXED_D / 16;
+    vec16 even[V], odd[V];
+    for (int c = 0; c < V; ++c) {
+      std::memcpy(&even[c], out + 16 * c, sizeof(vec16));
+      odd[c] = vec16{};
+    }
+    for (int t = 0; t < KEY_CHUNK; t += 2) {
+      const float pe = p[t], po = p[t + 1];
+      for (int c = 0; c < V; ++c) {
+        vec16 ve, vo;
+        std::memcpy(&ve, values + t * FIXED_D + 16 * c, sizeof(vec16));
+        std::memcpy(&vo, values + (t + 1) * FIXED_D + 16 * c, sizeof(vec16));
+        even[c] += pe * ve;
+        odd[c] += po * vo;
+      }
+    }
+    for (int c = 0; c < V; ++c) {
+      const vec16 sum = even[c] + odd[c];
+      std::memcpy(out + 16 * c, &sum, sizeof(vec16));
+    }
+  } else {
+    for (int64_t t = 0; t < KEY_CHUNK; ++t)
+      for (int64_t d = 0; d < D; ++d) out[d] += p[t] * values[t * D + d];
+  }
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool HAS_PAIR_DOTS = true;
+
+// scores[g] = the row's bf16 pairs dotted with each key's, for ROW_GROUP rows at once
+template <int FIXED_D>
+inline void score_pairs(const uint32_t* query, const ivec16* keys, vec16 scores[ROW_GROUP]) {
+  __m512 sums[ROW_GROUP];
+  for (int g = 0; g < ROW_GROUP; ++g) sums[g] = _mm512_setzero_ps();
+  for (int i = 0; i < FIXED_D / 2; ++i) {
+    const __m512bh k = (__m512bh)(__m512i)keys[i];
+    for (int g = 0; g < ROW_GROUP; ++g)
+      sums[g] = _mm512_dpbf16_ps(sums[g], (__m512bh)_mm512_set1_epi32(query[g * FIXED_D / 2 + i]), k);
+  }
+  for (int g = 0; g < ROW_GROUP; ++g) scores[g] = (vec16)sums[g];
+}
+
+// out += p (rounded to bf16) times the chunk's values, as pair dot products
+template <int FIXED_D>
+inline void add_weighted_value_pairs(float* out, vec16 p, const uint32_t* values) {
+  constexpr int V = FIXED_D / 16;
+  alignas(32) uint32_t weights[KEY_CHUNK / 2];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(weights), (__m256i)_mm512_cvtneps_pbh((__m512)p));
+  __m512 sums[V];
+  for (int c = 0; c < V; ++c) sums[c] = _mm512_loadu_ps(out + 16 * c);
+  for (int j = 0; j < KEY_CHUNK / 2; ++j) {
+    const __m512bh w = (__m512bh)_mm512_set1_epi32(weights[j]);
+    for (int c = 0; c < V; ++c)
+      sums[c] = _mm512_dpbf16_ps(sums[c], w, (__m512bh)_mm512_loadu_si512(values + j * FIXED_D + 16 * c));
+  }
+  for (int c = 0; c < V; ++c) _mm512_storeu_ps(out + 16 * c, sums[c]);
+}
+#else
+constexpr bool HAS_PAIR_DOTS = false;
+#endif
+
+template <bool PAIRS, typename T, int FIXED_D>
+void attend_tile(const T* q, const PackedContext& context, T* out, const Layout& L, int64_t head_dim,
+                 int64_t kv_head, int64_t context_start, int64_t first_query, int64_t num_queries, float scale,
+                 int64_t window, float softcap) {
+  const int64_t D = FIXED_D > 0 ? FIXED_D : head_dim;
+  const int64_t per_kv = L.per_kv;
+  const int64_t rows = num_queries * per_kv;
+  const int64_t padded_rows = (rows + ROW_GROUP - 1) / ROW_GROUP * ROW_GROUP;
+  // row r: query first_query + r / per_kv, head kv_head * per_kv + r % per_kv; padded rows stay zero
+  std::vector<float> query(PAIRS ? 0 : padded_rows * D, 0.f), acc(padded_rows * D, 0.f);
+  std::vector<uint32_t> query_pairs(PAIRS ? padded_rows * D / 2 : 0, 0);  // unscaled: scale applies to scores
+  std::vector<float> max_score(padded_rows, -INFINITY), total(padded_rows, 0.f);
+  std::vector<int64_t> position(padded_rows);
+  for (int64_t r = 0; r < padded_rows; ++r) {
+    const int64_t i = std::min(r, rows - 1) / per_kv;
+    position[r] = context_start + first_query + i;
+    if (r >= rows) continue;
+    const T* src = q + ((first_query + i) * L.num_heads + kv_head * per_kv + r % per_kv) * D;
+    if constexpr (PAIRS)
+      std::memcpy(query_pairs.data() + r * D / 2, src, D * sizeof(T));
+    else
+      for (int64_t d = 0; d < D; ++d) query[r * D + d] = to_float(src[d]) * scale;
+  }
+  const int64_t first = context_start + first_query, last = first + num_queries - 1;
+  const int64_t start = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+  vec16 lanes;
+  for (int t = 0; t < KEY_CHUNK; ++t) lanes[t] = static_cast<float>(t);
+
+  for (int64_t chunk = start / KEY_CHUNK; chunk * KEY_CHUNK <= last; ++chunk) {
+    const int64_t pos = chunk * KEY_CHUNK;
+    const int64_t index = chunk - context.first_chunk;
+    // whether some row sees only part of the chunk: the diagonal, or a window's edge
+    const bool partial = pos + KEY_CHUNK - 1 > first || pos < start || (window > 0 && pos <= last - window);
+    const vec16 key_positions = lanes + static_cast<float>(pos);
+    for (int64_t group = 0; group < padded_rows; group += ROW_GROUP) {
+      vec16 scores[ROW_GROUP];
+#if defined(__AVX512BF16__)
+      if constexpr (PAIRS) {
+        score_pairs<FIXED_D>(query_pairs.data() + group * D / 2, context.key_pairs.data() + index * D / 2, scores);
+        for (int g = 0; g < ROW_GROUP; ++g) scores[g] *= scale;
+      } else
+#endif
+      {
+        for (int g = 0; g < ROW_GROUP; ++g) scores[g] = vec16{};
+        const float* qg = query.data() + group * D;
+        const vec16* keys = context.keys.data() + index * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const vec16 k = keys[d];
+          for (int g = 0; g < ROW_GROUP; ++g) scores[g] += qg[g * D + d] * k;
+        }
+      }
+      for (int g = 0; g < ROW_GROUP; ++g) {
+        const int64_t r = group + g;
+        if (r >= rows) break;
+        vec16 s = scores[g];
+        if (softcap > 0.f)
+          for (int t = 0; t < KEY_CHUNK; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+        if (partial) {
+          const float p = static_cast<float>(position[r]);
+          ivec16 visible = key_positions <= p;
+          if (window > 0) visible &= key_positions > p - static_cast<float>(window);
+          s = visible ? s : -INFINITY;
+        }
+        const float chunk_max = max16(s);
+        if (chunk_max == -INFINITY) continue;  // every key of the chunk is masked for this row
+        float* a = acc.data() + r * D;
+        if (chunk_max > max_score[r]) {
+          const float shrink = std::exp(max_score[r] - chunk_max);
+          total[r] *= shrink;
+          for (int64_t d = 0; d < D; ++d) a[d] *= shrink;
+          max_score[r] = chunk_max;
+        }
+        const vec16 p = exp16(s - max_score[r]);
+        total[r] += sum16(p);
+#if defined(__AVX512BF16__)
+        if constexpr (PAIRS) {
+          add_weighted_value_pairs<FIXED_D>(a, p, context.value_pairs.data() + index * KEY_CHUNK / 2 * D);
+          continue;
+        }
+#endif
+        add_weighted_values<FIXED_D>(a, p, context.values.data() + index * KEY_CHUNK * D, D);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* o = out + ((first_query + r / per_kv) * L.num_heads + kv_head * per_kv + r % per_kv) * D;
+    const float inverse = 1.f / total[r];
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r * D + d] * inverse);
+  }
+}
+
+template <typename T, int FIXED_D>
+void prefill_attention(const T* q, const T* kv, const int32_t* block_table, const int64_t* query_starts,
+                       const int64_t* query_lens, const int64_t* seq_lens, T* out, int64_t num_seqs,
+                       const Layout& L, int64_t head_dim, float scale, int64_t window, float softcap) {
+  struct Task {
+    int64_t seq, kv_head, first_query;
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> out_starts(num_seqs);
+  for (int64_t seq = 0, rows = 0; seq < num_seqs; rows += query_lens[seq], ++seq) {
+    out_starts[seq] = rows;
+    for (int64_t first = 0; first < query_lens[seq]; first += QUERY_TILE)
+      for (int64_t h = 0; h < L.num_kv_heads; ++h) tasks.push_back({seq, h, first});
+  }
+  // the costliest (latest) tiles first, so that the last tasks handed out are short ones
+  auto tile_end = [&](const Task& t) { return seq_lens[t.seq] - query_lens[t.seq] + t.first_query; };
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) { return tile_end(a) > tile_end(b); });
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  constexpr bool PAIRS = HAS_PAIR_DOTS && std::is_same_v<T, at::BFloat16> && FIXED_D > 0 && FIXED_D % 16 == 0;
+  std::vector<PackedContext> contexts(num_seqs * L.num_kv_heads);
+  const int threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_seqs * L.num_kv_heads; ++item) {
+      const int64_t seq = item / L.num_kv_heads, context_start = seq_lens[seq] - query_lens[seq];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, context_start - window + 1) : 0;
+      pack_context<PAIRS>(kv, block_table + seq * L.max_blocks, L, head_dim, item % L.num_kv_heads, start, seq_lens[seq],
+                   contexts[item]);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_tasks; ++i) {
+      const Task& task = tasks[i];
+      const int64_t len = query_lens[task.seq];
+      attend_tile<PAIRS, T, FIXED_D>(q + query_starts[task.seq] * L.num_heads * head_dim,
+                              contexts[task.seq * L.num_kv_heads + task.kv_head],
+                              out + out_starts[task.seq] * L.num_heads * head_dim, L, head_dim, task.kv_head,
+                              seq_lens[task.seq] - len, task.first_query, std::min(QUERY_TILE, len - task.first_query),
+                              scale, window, softcap);
+    }
+  }
+}
+
+template <typename T>
+void prefill_attention_any(int64_t head_dim, const T* q, const T* kv, const int32_t* block_table,
+                           const int64_t* query_starts, const int64_t* query_lens, const int64_t* seq_lens, T* out,
+                           int64_t num_seqs, const Layout& L, float scale, int64_t window, float softcap) {
+  switch (head_dim) {
+#define NANOSERVE_HEAD_DIM(D)                                                                                 \
+  case D:                                                                                                     \
+    return prefill_attention<T, D>(q, kv, block_table, query_starts, query_lens, seq_lens, out, num_seqs, L, \
+                                   head_dim, scale, window, softcap);
+    NANOSERVE_FOR_EACH_HEAD_DIM(NANOSERVE_HEAD_DIM)
+#undef NANOSERVE_HEAD_DIM
+    default:
+      prefill_attention<T, 0>(q, kv, block_table, query_starts, query_lens, seq_lens, out, num_seqs, L, head_dim,
+                              scale, window, softcap);
+  }
+}
+
+}  // namespace
+
+// q: [T, H, D] (the step's tokens); kv_cache: [2, Hkv, num_blocks, block_size, D]; block_table: int32
+// [S, max_blocks]; query_starts, query_lens, seq_lens: int64 [S] (each sequence's first row of q, its new
+// tokens, and its context including them, already in the cache); window: the last positions attended to
+// (0: all); softcap: cap of cap * tanh(score / cap) (0: none) -> [sum(query_lens), H * D], sequence after
+// sequence.
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
+                                      torch::Tensor query_starts, torch::Tensor query_lens, torch::Tensor seq_lens,
+                                      double scale, int64_t window, double softcap) {
+  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous());
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and the KV cache must share a dtype");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32);
+  auto starts = query_starts.to(torch::kInt64).contiguous();
+  auto q_lens = query_lens.to(torch::kInt64).contiguous();
+  auto s_lens = seq_lens.to(torch::kInt64).contiguous();
+  const int64_t num_seqs = starts.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && block_table.size(0) == num_seqs);
+  const Layout layout{num_heads,
+                      num_kv_heads,
+                      num_heads / num_kv_heads,
+                      num_blocks * block_size * head_dim,
+                      num_kv_heads * num_blocks * block_size * head_dim,
+                      block_size,
+                      block_table.size(1)};
+  const int64_t rows = q_lens.sum().item<int64_t>();
+  auto out = torch::empty({rows, num_heads * head_dim}, q.options());
+  if (q.scalar_type() == torch::kBFloat16) {
+    prefill_attention_any(head_dim, q.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>(),
+                          block_table.data_ptr<int32_t>(), starts.data_ptr<int64_t>(), q_lens.data_ptr<int64_t>(),
+                          s_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), num_seqs, layout,
+                          static_cast<float>(scale), window, static_cast<float>(softcap));
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kFloat32, "bfloat16 or float32 only");
+    prefill_attention_any(head_dim, q.data_ptr<float>(), kv_cache.data_ptr<float>(), block_table.data_ptr<int32_t>(),
+                          starts.data_ptr<int64_t>(), q_lens.data_ptr<int64_t>(), s_lens.data_ptr<int64_t>(),
+                          out.data_ptr<float>(), num_seqs, layout, static_cast<float>(scale), window,
+                          static_cast<float>(softcap));
+  }
+  return out;
+}
