@@ -23,6 +23,7 @@
 // sample_rows (sampling.cpp): temperature, top-k, top-p and min-p sampling, a row per task.
 // FusedDecoder (fused_decoder.cpp): a whole decode step of the Llama-shaped families, kernel after kernel.
 #include "kernels.h"
+#include "vec16.h"
 
 #include <ATen/Parallel.h>
 
@@ -36,13 +37,25 @@
 
 namespace {
 
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;  // bf16 is the high half of a float
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+#if defined(__AVX512BF16__)
+// lane t: the sum of v[t]'s 16 lanes, by a tree of unpacks and lane shuffles (45 instructions for the 16
+// sums, where one horizontal sum takes 8)
+inline __m512 sum_each16(const __m512 v[16]) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  auto fold = [](__m512 a, __m512 b) {  // 128-bit lanes (a0 + a1, a2 + a3, b0 + b1, b2 + b3)
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  for (int i = 0; i < 2; ++i) halves[i] = fold(quads[2 * i], quads[2 * i + 1]);
+  return fold(halves[0], halves[1]);
 }
-inline float to_float(float x) { return x; }
+#endif
 
 // scores[h * block_size + t] = scale * q_h . k_t for the n cached K rows of one block (query: q * scale)
 template <typename T, int FIXED_D>
@@ -50,13 +63,21 @@ inline void score_rows(const T* k, int64_t n, int64_t D, int64_t per_kv, const T
                        float scale, float* row, float* scores, int64_t block_size) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16> && FIXED_D == 64) {  // bf16 pairs straight from the cache
-    for (int64_t t = 0; t < n; ++t, k += 64) {
-      const __m512bh low = (__m512bh)_mm512_loadu_si512(k), high = (__m512bh)_mm512_loadu_si512(k + 32);
+    for (int64_t first = 0; first < n; first += 16, k += 16 * 64) {  // 16 keys' dot products, then their sums
+      const int64_t keys = std::min<int64_t>(16, n - first);
       for (int64_t h = 0; h < per_kv; ++h) {
         const __m512bh q_low = (__m512bh)_mm512_loadu_si512(q + h * 64);
         const __m512bh q_high = (__m512bh)_mm512_loadu_si512(q + h * 64 + 32);
-        const __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q_low, low), q_high, high);
-        scores[h * block_size + t] = _mm512_reduce_add_ps(dot) * scale;
+        __m512 dots[16];
+        for (int64_t t = 0; t < 16; ++t) {
+          dots[t] = _mm512_setzero_ps();
+          if (t >= keys) continue;  // rows past the block's end are never read
+          const __m512bh low = (__m512bh)_mm512_loadu_si512(k + t * 64);
+          const __m512bh high = (__m512bh)_mm512_loadu_si512(k + t * 64 + 32);
+          dots[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(dots[t], q_low, low), q_high, high);
+        }
+        const __m512 sums = _mm512_mul_ps(sum_each16(dots), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(scores + h * block_size + first, static_cast<__mmask16>((1u << keys) - 1), sums);
       }
     }
     return;
@@ -160,7 +181,14 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
             for (int64_t d = 0; d < D; ++d) a[d] *= shrink;
             max_score[h] = block_max;
           }
-          for (int64_t t = 0; t < n; ++t) total[h] += (s[t] = std::exp(s[t] - block_max));
+          for (int64_t first = 0; first < n; first += 16) {  // 16 lanes at a time, past n masked out
+            const int64_t keys = std::min<int64_t>(16, n - first);
+            vec16 x;
+            for (int t = 0; t < 16; ++t) x[t] = t < keys ? s[first + t] - block_max : -INFINITY;
+            const vec16 p = exp16(x);
+            total[h] += sum16(p);
+            std::memcpy(s + first, &p, keys * sizeof(float));
+          }
         }
         const T* v = v_head + first * D;
         for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(v[i]);

@@ -4,7 +4,17 @@
 
 #include <torch/extension.h>
 
+#include <cstring>
 #include <tuple>
+
+// bf16 is the high half of a float32
+inline float to_float(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float to_float(float x) { return x; }
 
 // The head sizes the attention kernels compile as constants (others take their generic path).
 #define NANOSERVE_FOR_EACH_HEAD_DIM(CASE) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(256)

@@ -11,6 +11,7 @@
 // has AVX512-BF16, bfloat16 scores and weighted sums are dot products of bf16 pairs (float32 sums), the
 // probabilities rounded to bf16 for the second, as PyTorch's own flash attention does.
 #include "kernels.h"
+#include "vec16.h"
 
 #include <ATen/Parallel.h>
 
@@ -27,48 +28,6 @@ namespace {
 constexpr int64_t QUERY_TILE = 16;  // queries per task
 constexpr int64_t KEY_CHUNK = 16;   // keys scored at once: one vector of float32 scores per row
 constexpr int64_t ROW_GROUP = 8;    // rows scored together, so that their sums are independent chains
-
-// 16 floats, in the registers the CPU has (one AVX-512 register, two AVX ones, ...)
-typedef float vec16 __attribute__((vector_size(64)));
-typedef int32_t ivec16 __attribute__((vector_size(64)));
-
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float to_float(float x) { return x; }
-
-// e^x lane by lane, to float precision (Cephes' polynomial for e^r on |r| <= ln 2 / 2, times 2^n); 0 below
-// e^-87, where -inf (a masked score) lands.
-inline vec16 exp16(vec16 x) {
-  const ivec16 keep = x > -87.f;
-  x = x < 88.f ? x : 88.f;
-  x = x > -87.f ? x : -87.f;
-  const vec16 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f), ivec16), vec16);
-  const vec16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vec16 p = 1.9875691500e-4f + r * 0.f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const ivec16 scaled = (ivec16)p + (__builtin_convertvector(n, ivec16) << 23);
-  return (vec16)(scaled & keep);
-}
-
-inline float sum16(vec16 x) {
-  float total = 0.f;
-  for (int t = 0; t < 16; ++t) total += x[t];
-  return total;
-}
-inline float max16(vec16 x) {
-  float m = x[0];
-  for (int t = 1; t < 16; ++t) m = std::max(m, x[t]);
-  return m;
-}
 
 struct Layout {
   int64_t num_heads, num_kv_heads, per_kv, head_stride, v_offset, block_size, max_blocks;
