@@ -116,33 +116,44 @@ inline void add_weighted_values(float* out, vec16 p, const float* values, int64_
 #if defined(__AVX512BF16__)
 constexpr bool HAS_PAIR_DOTS = true;
 
-// scores[g] = the row's bf16 pairs dotted with each key's, for ROW_GROUP rows at once
+// scores[g] = the row's bf16 pairs dotted with each key's, for ROW_GROUP rows at once (even and odd pairs
+// in separate sums: twice the chains in flight)
 template <int FIXED_D>
 inline void score_pairs(const uint32_t* query, const ivec16* keys, vec16 scores[ROW_GROUP]) {
-  __m512 sums[ROW_GROUP];
-  for (int g = 0; g < ROW_GROUP; ++g) sums[g] = _mm512_setzero_ps();
-  for (int i = 0; i < FIXED_D / 2; ++i) {
-    const __m512bh k = (__m512bh)(__m512i)keys[i];
-    for (int g = 0; g < ROW_GROUP; ++g)
-      sums[g] = _mm512_dpbf16_ps(sums[g], (__m512bh)_mm512_set1_epi32(query[g * FIXED_D / 2 + i]), k);
+  __m512 even[ROW_GROUP], odd[ROW_GROUP];
+  for (int g = 0; g < ROW_GROUP; ++g) even[g] = odd[g] = _mm512_setzero_ps();
+  for (int i = 0; i < FIXED_D / 2; i += 2) {
+    const __m512bh k_even = (__m512bh)(__m512i)keys[i], k_odd = (__m512bh)(__m512i)keys[i + 1];
+    for (int g = 0; g < ROW_GROUP; ++g) {
+      const uint32_t* row = query + g * FIXED_D / 2;
+      even[g] = _mm512_dpbf16_ps(even[g], (__m512bh)_mm512_set1_epi32(row[i]), k_even);
+      odd[g] = _mm512_dpbf16_ps(odd[g], (__m512bh)_mm512_set1_epi32(row[i + 1]), k_odd);
+    }
   }
-  for (int g = 0; g < ROW_GROUP; ++g) scores[g] = (vec16)sums[g];
+  for (int g = 0; g < ROW_GROUP; ++g) scores[g] = (vec16)_mm512_add_ps(even[g], odd[g]);
 }
 
-// out += p (rounded to bf16) times the chunk's values, as pair dot products
+// Rows whose weighted sums run together: as many as keep 16 sums of 16 lanes in registers
+constexpr int pair_rows(int D) { return D <= 32 ? 8 : D <= 64 ? 4 : D <= 128 ? 2 : 1; }
+
+// out[r] += p[r] (rounded to bf16) times the chunk's values, as pair dot products, for pair_rows(D) rows
+// at once: each value vector is loaded once for all of them, and their sums are independent chains
 template <int FIXED_D>
-inline void add_weighted_value_pairs(float* out, vec16 p, const uint32_t* values) {
-  constexpr int V = FIXED_D / 16;
-  alignas(32) uint32_t weights[KEY_CHUNK / 2];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(weights), (__m256i)_mm512_cvtneps_pbh((__m512)p));
-  __m512 sums[V];
-  for (int c = 0; c < V; ++c) sums[c] = _mm512_loadu_ps(out + 16 * c);
-  for (int j = 0; j < KEY_CHUNK / 2; ++j) {
-    const __m512bh w = (__m512bh)_mm512_set1_epi32(weights[j]);
-    for (int c = 0; c < V; ++c)
-      sums[c] = _mm512_dpbf16_ps(sums[c], w, (__m512bh)_mm512_loadu_si512(values + j * FIXED_D + 16 * c));
+inline void add_weighted_value_pairs(float* out, const vec16* p, const uint32_t* values) {
+  constexpr int V = FIXED_D / 16, R = pair_rows(FIXED_D);
+  alignas(32) uint32_t weights[R][KEY_CHUNK / 2];
+  __m512 sums[R][V];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(weights[r]), (__m256i)_mm512_cvtneps_pbh((__m512)p[r]));
+    for (int c = 0; c < V; ++c) sums[r][c] = _mm512_loadu_ps(out + r * FIXED_D + 16 * c);
   }
-  for (int c = 0; c < V; ++c) _mm512_storeu_ps(out + 16 * c, sums[c]);
+  for (int j = 0; j < KEY_CHUNK / 2; ++j)
+    for (int c = 0; c < V; ++c) {
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(values + j * FIXED_D + 16 * c);
+      for (int r = 0; r < R; ++r) sums[r][c] = _mm512_dpbf16_ps(sums[r][c], (__m512bh)_mm512_set1_epi32(weights[r][j]), v);
+    }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < V; ++c) _mm512_storeu_ps(out + r * FIXED_D + 16 * c, sums[r][c]);
 }
 #else
 constexpr bool HAS_PAIR_DOTS = false;
@@ -199,9 +210,13 @@ void attend_tile(const T* q, const PackedContext& context, T* out, const Layout&
           for (int g = 0; g < ROW_GROUP; ++g) scores[g] += qg[g * D + d] * k;
         }
       }
+      // each row's probabilities for the chunk, its sums rescaled where its max grew; masked rows and
+      // padding get zeros
+      vec16 probs[ROW_GROUP];
       for (int g = 0; g < ROW_GROUP; ++g) {
         const int64_t r = group + g;
-        if (r >= rows) break;
+        probs[g] = vec16{};
+        if (r >= rows) continue;
         vec16 s = scores[g];
         if (softcap > 0.f)
           for (int t = 0; t < KEY_CHUNK; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
@@ -213,23 +228,27 @@ void attend_tile(const T* q, const PackedContext& context, T* out, const Layout&
         }
         const float chunk_max = max16(s);
         if (chunk_max == -INFINITY) continue;  // every key of the chunk is masked for this row
-        float* a = acc.data() + r * D;
         if (chunk_max > max_score[r]) {
           const float shrink = std::exp(max_score[r] - chunk_max);
           total[r] *= shrink;
+          float* a = acc.data() + r * D;
           for (int64_t d = 0; d < D; ++d) a[d] *= shrink;
           max_score[r] = chunk_max;
         }
-        const vec16 p = exp16(s - max_score[r]);
-        total[r] += sum16(p);
-#if defined(__AVX512BF16__)
-        if constexpr (PAIRS) {
-          add_weighted_value_pairs<FIXED_D>(a, p, context.value_pairs.data() + index * KEY_CHUNK / 2 * D);
-          continue;
-        }
-#endif
-        add_weighted_values<FIXED_D>(a, p, context.values.data() + index * KEY_CHUNK * D, D);
+        probs[g] = exp16(s - max_score[r]);
+        total[r] += sum16(probs[g]);
       }
+#if defined(__AVX512BF16__)
+      if constexpr (PAIRS) {
+        constexpr int R = pair_rows(FIXED_D);
+        const uint32_t* values = context.value_pairs.data() + index * KEY_CHUNK / 2 * D;
+        for (int g = 0; g < ROW_GROUP && group + g < rows; g += R)
+          add_weighted_value_pairs<FIXED_D>(acc.data() + (group + g) * D, probs + g, values);
+        continue;
+      }
+#endif
+      for (int g = 0; g < ROW_GROUP && group + g < rows; ++g)
+        add_weighted_values<FIXED_D>(acc.data() + (group + g) * D, probs[g], context.values.data() + index * KEY_CHUNK * D, D);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
