@@ -59,10 +59,13 @@ export async function readEvents(response, onEvent) {
     const { value, done } = await reader.read();
     if (done) throw new StreamError(undefined, "The server closed the stream before it finished.");
     buffered += value;
+    // a page that fell behind reads many events at once: walk them with a cursor, so the chunk is not
+    // copied again after each one (quadratic in its size, which kept a busy page from its Stop button)
+    let start = 0;
     let end;
-    while ((end = buffered.indexOf("\n\n")) >= 0) {
-      const block = buffered.slice(0, end);
-      buffered = buffered.slice(end + 2);
+    while ((end = buffered.indexOf("\n\n", start)) >= 0) {
+      const block = buffered.slice(start, end);
+      start = end + 2;
       for (const line of block.split("\n")) {
         if (!line.startsWith("data:")) continue;
         const data = line.slice(5).trim();
@@ -72,6 +75,7 @@ export async function readEvents(response, onEvent) {
         onEvent(event);
       }
     }
+    buffered = buffered.slice(start);
   }
 }
 
