@@ -191,7 +191,7 @@ void attend_tile(const T* q, const PackedContext& context, T* out, const Layout&
     const int64_t pos = chunk * KEY_CHUNK;
     const int64_t index = chunk - context.first_chunk;
     // whether some row sees only part of the chunk: the diagonal, or a window's edge
-    const bool partial = pos + KEY_CHUNK - 1 > first || pos < start || (window > 0 && pos <= last - window);
+    const bool partial = pos + KEY_CHUNK - 1 > first || (window > 0 && pos <= last - window);
     const vec16 key_positions = lanes + static_cast<float>(pos);
     for (int64_t group = 0; group < padded_rows; group += ROW_GROUP) {
       vec16 scores[ROW_GROUP];
