@@ -31,6 +31,7 @@ namespace {
 constexpr int64_t GROUP = 32;
 constexpr int64_t TILE = 16;
 constexpr int64_t MAX_ROWS = 8;  // rows of x per pass over a tile, their sums in registers (16 spill)
+constexpr int64_t CHUNK_ROWS = 64;  // rows per pass over a thread's tiles (64 x K int8 stays in L1/L2)
 
 #ifdef NANOSERVE_QUANT_MATMUL
 
@@ -62,32 +63,36 @@ inline void store(at::BFloat16* out, __m512 values) {  // round to nearest even,
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
-// out columns of tiles [tile_begin, tile_end) for ROWS rows of quantized x
+// out columns of one tile for ROWS rows of quantized x. The rows' dot products advance together, quad by
+// quad: one row's 8 dependent VNNI steps alone would wait on each other's latency. Each activation quad
+// is a broadcast memory operand of the VNNI instruction itself (GCC does not fold the broadcast).
 template <int BITS, int ROWS, typename T>
 void tile_rows(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
-               const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile_begin,
-               int64_t tile_end) {
+               const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile) {
   const int64_t groups = k / GROUP, group_bytes = GROUP * TILE * BITS / 8;
-  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
-    const uint8_t* c = codes + tile * groups * group_bytes;
-    const at::Half* s = scales + tile * groups * 2 * TILE;
-    __m512 acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g, c += group_bytes, s += 2 * TILE) {
-      __m512i quads[8];
-      load_group<BITS>(c, quads);
-      const __m512 w_scale = half_to_float(s), w_low = half_to_float(s + TILE);
+  const uint8_t* c = codes + tile * groups * group_bytes;
+  const at::Half* s = scales + tile * groups * 2 * TILE;
+  __m512 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, c += group_bytes, s += 2 * TILE) {
+    __m512i quads[8];
+    load_group<BITS>(c, quads);
+    __m512i dot[ROWS];
+    for (int r = 0; r < ROWS; ++r) dot[r] = _mm512_setzero_si512();
+    for (int q = 0; q < 8; ++q) {
       for (int r = 0; r < ROWS; ++r) {
         const int32_t* xg = reinterpret_cast<const int32_t*>(xq + r * k + g * GROUP);  // 4 inputs per int32
-        __m512i dot = _mm512_setzero_si512();
-        for (int q = 0; q < 8; ++q) dot = _mm512_dpbusd_epi32(dot, quads[q], _mm512_set1_epi32(xg[q]));
-        const __m512 scale = _mm512_mul_ps(w_scale, _mm512_set1_ps(x_scales[r * groups + g]));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
-        acc[r] = _mm512_fmadd_ps(w_low, _mm512_set1_ps(x_sums[r * groups + g]), acc[r]);
+        __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(dot[r]) : "v"(quads[q]), "m"(xg[q]));
       }
     }
-    for (int r = 0; r < ROWS; ++r) store(out + r * n + tile * TILE, acc[r]);
+    const __m512 w_scale = half_to_float(s), w_low = half_to_float(s + TILE);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 scale = _mm512_mul_ps(w_scale, _mm512_set1_ps(x_scales[r * groups + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(w_low, _mm512_set1_ps(x_sums[r * groups + g]), acc[r]);
+    }
   }
+  for (int r = 0; r < ROWS; ++r) store(out + r * n + tile * TILE, acc[r]);
 }
 
 inline float as_float(float x) { return x; }
@@ -115,25 +120,33 @@ void quantize_activations(const T* x, int8_t* xq, float* scales, float* sums, in
   });
 }
 
+// Each thread takes a share of the tiles and, for up to CHUNK_ROWS rows at a time, finishes a tile before
+// the next: its codes stay in L1 for all those rows, and a weight larger than the caches (the lm_head) is
+// read from memory once per chunk, not once per MAX_ROWS rows.
 template <int BITS, typename T>
 void quant_matmul_impl(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
                        const at::Half* scales, T* out, int64_t rows, int64_t k, int64_t n) {
   const int64_t groups = k / GROUP;
   at::parallel_for(0, n / TILE, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t row = 0; row < rows; row += MAX_ROWS) {
-      const int8_t* xr = xq + row * k;
-      const float* sc = x_scales + row * groups;
-      const float* su = x_sums + row * groups;
-      T* o = out + row * n;
-      switch (std::min(MAX_ROWS, rows - row)) {
-        case 1: tile_rows<BITS, 1, T>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
-        case 2: tile_rows<BITS, 2, T>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
-        case 3: tile_rows<BITS, 3, T>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
-        case 4: tile_rows<BITS, 4, T>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
-        case 5: tile_rows<BITS, 5, T>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
-        case 6: tile_rows<BITS, 6, T>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
-        case 7: tile_rows<BITS, 7, T>(xr, sc, su, codes, scales, o, k, n, begin, end); break;
-        default: tile_rows<BITS, 8, T>(xr, sc, su, codes, scales, o, k, n, begin, end);
+    for (int64_t chunk = 0; chunk < rows; chunk += CHUNK_ROWS) {
+      const int64_t chunk_end = std::min(rows, chunk + CHUNK_ROWS);
+      for (int64_t tile = begin; tile < end; ++tile) {
+        for (int64_t row = chunk; row < chunk_end; row += MAX_ROWS) {
+          const int8_t* xr = xq + row * k;
+          const float* sc = x_scales + row * groups;
+          const float* su = x_sums + row * groups;
+          T* o = out + row * n;
+          switch (std::min(MAX_ROWS, chunk_end - row)) {
+            case 1: tile_rows<BITS, 1, T>(xr, sc, su, codes, scales, o, k, n, tile); break;
+            case 2: tile_rows<BITS, 2, T>(xr, sc, su, codes, scales, o, k, n, tile); break;
+            case 3: tile_rows<BITS, 3, T>(xr, sc, su, codes, scales, o, k, n, tile); break;
+            case 4: tile_rows<BITS, 4, T>(xr, sc, su, codes, scales, o, k, n, tile); break;
+            case 5: tile_rows<BITS, 5, T>(xr, sc, su, codes, scales, o, k, n, tile); break;
+            case 6: tile_rows<BITS, 6, T>(xr, sc, su, codes, scales, o, k, n, tile); break;
+            case 7: tile_rows<BITS, 7, T>(xr, sc, su, codes, scales, o, k, n, tile); break;
+            default: tile_rows<BITS, 8, T>(xr, sc, su, codes, scales, o, k, n, tile);
+          }
+        }
       }
     }
   });
