@@ -78,6 +78,12 @@ class Request:
         self.prompt_logprobs: list[list[tuple[int, float]]] = []
         """Per prompt token from the second on: [(its id, logprob), (top1 id, logprob), ...], as the
         prefill computes them; sent with the first sampled token."""
+        self.final_output_only = False
+        """Hold output tokens back (EngineCoreRequest.final_output_only)."""
+        self.num_sent_tokens = 0
+        """Output tokens the frontend has (a resumed request's included)."""
+        self.held_logprobs: list[list[tuple[int, float]]] = []
+        """The logprobs of output tokens held back, when asked for."""
         self.grammar: GrammarMatcher | None = None
         """The structured-output matcher, attached once its grammar is compiled."""
         self.generator: torch.Generator | None = None
@@ -99,8 +105,10 @@ class Request:
             request.arrival_time,
             max_tokens,
         )
+        engine_request.final_output_only = request.final_output_only
         resumed = request.resumed_output_token_ids
         if resumed:
+            engine_request.num_sent_tokens = len(resumed)
             engine_request.output_token_ids = list(resumed)
             engine_request.all_token_ids.extend(resumed)
             if engine_request.generator is not None and not request.sampling_params.is_greedy:
@@ -132,6 +140,18 @@ class Request:
         """True while some prompt token's logprobs are still to be computed."""
         wanted = self.sampling_params.prompt_logprobs is not None
         return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def take_unsent(
+        self, step_logprobs: list[list[tuple[int, float]]] | None
+    ) -> tuple[list[int], list[list[tuple[int, float]]] | None]:
+        """The output tokens the frontend does not have yet, now counted as sent, with their logprobs: those
+        held back and step_logprobs, this step's (None, with none held: not asked for)."""
+        tokens = self.output_token_ids[self.num_sent_tokens :]
+        self.num_sent_tokens = self.num_output_tokens
+        if not self.held_logprobs:
+            return tokens, step_logprobs
+        logprobs, self.held_logprobs = self.held_logprobs + list(step_logprobs or ()), []
+        return tokens, logprobs
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -28,6 +28,10 @@ from nanoserve.core.speculator import Speculator
 from nanoserve.model.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from nanoserve.wire.messages import EngineCoreOutput, SchedulerStats
 
+MAX_HELD_TOKENS = 16
+"""A final-output-only request's tokens travel when it finishes or when this many are held back, so that an
+engine restarted after a crash resumes it at most this many tokens back, at 1/16 of the messages."""
+
 
 class Scheduler:
     def __init__(
@@ -191,7 +195,6 @@ class Scheduler:
             num_accepted = len(sampled) - 1
             if chunk.draft_token_ids and self.speculator is not None:
                 self.speculator.record(request.request_id, len(chunk.draft_token_ids), num_accepted)
-            is_first = request.num_output_tokens == 0
             request.prompt_logprobs.extend(out.prompt_logprobs.get(request.request_id, ()))
             tokens, status, error = self._append_tokens(request, sampled)
             # K/V are in the cache for the known tokens and the accepted drafts, of the tokens kept
@@ -206,6 +209,12 @@ class Scheduler:
                 self.kv_cache.trim(request, request.num_tokens)
             entries = out.logprobs[j] if j < len(out.logprobs) else None
             logprobs = None if entries is None else entries[: len(tokens)]
+            held = request.num_output_tokens - request.num_sent_tokens
+            if request.final_output_only and status is None and held < MAX_HELD_TOKENS:
+                request.held_logprobs.extend(logprobs or ())
+                continue
+            is_first = request.num_sent_tokens == 0
+            tokens, logprobs = request.take_unsent(logprobs)
             outputs.append(
                 EngineCoreOutput(
                     request.request_id,
@@ -282,10 +291,12 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = status
             self._free(request)
+            tokens, logprobs = request.take_unsent(None)
             outputs.append(
                 EngineCoreOutput(
                     request_id,
-                    [],
+                    tokens,
+                    new_logprobs=logprobs,
                     finish_reason=status.finish_reason,
                     num_cached_tokens=request.num_cached_tokens,
                     error=error,

@@ -32,12 +32,20 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._is_shut_down = False
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
-        """Validate and queue a request; ValueError (and nothing queued) when it is invalid or its id is live."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        final_output_only: bool = False,
+    ) -> None:
+        """Validate and queue a request; ValueError (and nothing queued) when it is invalid or its id is live.
+        final_output_only: `step` returns this request's output only when it finishes (where it has no stop
+        strings, its tokens then travel from the engine in chunks; see EngineCoreRequest.final_output_only)."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"Request id {request_id!r} is already running.")
         params = params or SamplingParams(**self.generation_defaults)
-        text, request = self.processor.process(request_id, prompt, params)
+        text, request = self.processor.process(request_id, prompt, params, final_output_only)
         for engine_request in self.output_processor.add_request(request, text):
             self.engine_core.add_request(engine_request)
 

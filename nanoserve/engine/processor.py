@@ -89,9 +89,11 @@ class Processor:
         return self.tokenizer.decode(token_ids)
 
     def process(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
+        self, request_id: str, prompt: PromptType, params: SamplingParams, final_output_only: bool = False
     ) -> tuple[str | None, EngineCoreRequest]:
-        """Return (prompt text or None, the request for the engine core)."""
+        """Return (prompt text or None, the request for the engine core). final_output_only: the caller
+        reads only finished outputs; the engine then sends the tokens in chunks, unless stop strings need
+        them step by step (see EngineCoreRequest.final_output_only)."""
         params.validate()
         text, prompt_token_ids = self.tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
@@ -105,6 +107,7 @@ class Processor:
             sampling_params=params,
             eos_token_ids=list(self.eos_token_ids),
             arrival_time=time.time(),
+            final_output_only=final_output_only and not params.stop,
         )
         return text, request
 

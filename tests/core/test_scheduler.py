@@ -8,7 +8,7 @@ import pytest
 
 from nanoserve.config import EngineOptions
 from nanoserve.core.request import Request, RequestStatus
-from nanoserve.core.scheduler import Scheduler
+from nanoserve.core.scheduler import MAX_HELD_TOKENS, Scheduler
 from nanoserve.model.batch import RunnerOutput, SchedulerOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.wire.messages import EngineCoreOutput, FinishReason
@@ -258,6 +258,56 @@ def test_logprobs_are_forwarded():
     lp = [(7, -0.5), (8, -1.0)]
     (out,) = s.update_from_output(sched, RunnerOutput(["a"], [[7]], [[lp]]))
     assert out.new_logprobs == [lp] and out.finish_reason is FinishReason.LENGTH
+
+
+def held_request(request_id: str, max_tokens: int, **params) -> Request:
+    r = make_request(request_id, max_tokens=max_tokens, **params)
+    r.final_output_only = True
+    return r
+
+
+def test_final_output_only_sends_chunks_and_the_rest_at_the_finish():
+    s = make_scheduler()
+    r = held_request("a", max_tokens=MAX_HELD_TOKENS * 2 + 3, logprobs=1)
+    s.add_request(r)
+    sent: list[EngineCoreOutput] = []
+    steps_with_output = []
+    for i in range(r.max_tokens):
+        sched = s.schedule()
+        lp = [(10 + i, -float(i)), (0, -0.1)]
+        outs = s.update_from_output(sched, RunnerOutput(["a"], [[10 + i]], [[lp]]))
+        if outs:
+            steps_with_output.append(i + 1)
+        sent.extend(outs)
+    assert steps_with_output == [MAX_HELD_TOKENS, 2 * MAX_HELD_TOKENS, r.max_tokens]
+    assert [t for o in sent for t in o.new_token_ids] == [10 + i for i in range(r.max_tokens)]
+    assert [lp[0] for o in sent for lp in o.new_logprobs or []] == [
+        (10 + i, -float(i)) for i in range(r.max_tokens)
+    ]
+    # the first output carries the queue times, as the first token would; the last the finish
+    assert sent[0].queued_time == r.queued_time > 0 and sent[1].queued_time == 0.0
+    assert [o.finish_reason for o in sent] == [None, None, FinishReason.LENGTH]
+    assert not s.has_unfinished_requests()
+
+
+def test_final_output_only_hands_over_held_tokens_on_abort():
+    s = make_scheduler()
+    s.add_request(held_request("a", max_tokens=10))
+    s.add_request(make_request("b", max_tokens=10, first_token=500))
+    outs = [o for _ in range(3) for o in step(s)[1]]
+    assert [o.request_id for o in outs] == ["b", "b", "b"]
+    (a,) = s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert a.new_token_ids == [7, 7, 7] and a.finish_reason is FinishReason.ABORT
+
+
+def test_final_output_only_resumed_request_sends_only_new_tokens():
+    s = make_scheduler()
+    r = held_request("a", max_tokens=5)
+    r.output_token_ids, r.num_sent_tokens = [5, 6], 2
+    r.all_token_ids.extend([5, 6])
+    s.add_request(r)
+    outs = run_to_completion(s)["a"]
+    assert [o.new_token_ids for o in outs] == [[7, 7, 7]] and outs[0].queued_time == 0.0
 
 
 def test_abort_frees_blocks():

@@ -20,6 +20,7 @@ import msgspec
 import pytest
 
 from nanoserve.config import EngineOptions
+from nanoserve.core.scheduler import MAX_HELD_TOKENS
 from nanoserve.engine.core_client.async_mp import AsyncMPClient
 from nanoserve.engine.core_client.dp import DPLBAsyncMPClient
 from nanoserve.engine.core_client.liveness import RankState
@@ -198,7 +199,7 @@ def test_llm_generate_across_an_engine_kill_matches_an_undisturbed_run(tiny_gqa_
             def all_started() -> bool:
                 with client.liveness.lock:
                     counts = [len(e.token_ids) for e in client.ledger.entries.values()]
-                return len(counts) == len(prompts) and min(counts) >= 3
+                return len(counts) == len(prompts) and min(counts) >= MAX_HELD_TOKENS
 
             wait_until(all_started)
             os.kill(pid, signal.SIGKILL)

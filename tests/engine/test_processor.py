@@ -156,3 +156,13 @@ def test_detokenize_checks_the_vocabulary(processor, tokenizer):
     for bad in ([-1], [processor.vocab_size]):
         with pytest.raises(ValueError, match="out of the vocabulary"):
             processor.detokenize(bad)
+
+
+def test_final_output_only_unless_stop_strings_need_each_step(processor):
+    for final_output_only, stop, expected in [
+        (False, None, False),
+        (True, None, True),
+        (True, ["\n"], False),
+    ]:
+        _, request = processor.process("r", [5, 6], SamplingParams(stop=stop), final_output_only)
+        assert request.final_output_only is expected

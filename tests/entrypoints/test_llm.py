@@ -10,6 +10,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from nanoserve.core.scheduler import MAX_HELD_TOKENS
 from nanoserve.engine.exceptions import EngineGenerateError
 from nanoserve.entrypoints.llm import LLM
 from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -138,6 +139,36 @@ def test_engine_step_streams_and_abort(llm):
                     engine.abort_request(["x"])
     assert len(texts) >= 2 and all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
     assert engine.step() == []
+
+
+def test_generate_holds_tokens_back_and_matches_a_streamed_request(llm, monkeypatch):
+    """generate wants finished outputs only, so the engine sends its tokens in chunks of MAX_HELD_TOKENS:
+    3 engine outputs for 40 tokens where a request streamed through LLMEngine.step gets 40, and the same
+    result."""
+    engine = llm.llm_engine
+    client = engine.engine_core
+    outputs_per_request: dict[str, int] = {}
+    get_output = client.get_output
+
+    def counting_get_output(*args, **kwargs):
+        outputs = get_output(*args, **kwargs)
+        for o in outputs.outputs:
+            if o.request_id in engine.output_processor.requests:  # not an earlier test's late abort
+                outputs_per_request[o.request_id] = outputs_per_request.get(o.request_id, 0) + 1
+        return outputs
+
+    monkeypatch.setattr(client, "get_output", counting_get_output)
+    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=1)
+    engine.add_request("streamed", "Hold on", params)
+    streamed = None
+    while engine.has_unfinished_requests():
+        streamed = next((o for o in engine.step() if o.finished), streamed)
+    (held,) = llm.generate("Hold on", params, use_tqdm=False)
+    assert streamed is not None and outputs_per_request.pop("streamed") == 40
+    assert list(outputs_per_request.values()) == [-(-40 // MAX_HELD_TOKENS)]
+    want, got = streamed.outputs[0], held.outputs[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert got.logprobs == want.logprobs and got.cumulative_logprob == want.cumulative_logprob
 
 
 def test_shutdown_is_idempotent(tiny_gqa_dir):
