@@ -45,7 +45,7 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("rows", [1, 3, 6, 21, 135])  # 135: two chunks of 64 rows and a partial one
 def test_quant_matmul_equals_quantized_reference(kernels, bits, rows):
     needs_quant_matmul(kernels)
     torch.manual_seed(bits * rows)
