@@ -18,13 +18,15 @@ Q4_1 model requantizes from bf16 to the values it was shipped with. Two kernels 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol, TypeGuard
 
 import torch
 from torch import Tensor
+
+from nanoserve.model.huge_pages import huge_page_copies
 
 GROUP_SIZE = 32
 FLOAT16_TINY = 2.0**-24
@@ -92,6 +94,18 @@ class TorchInt4Weight:
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+
+def move_to_huge_pages(weights: Sequence[QuantizedWeight]) -> bool:
+    """Give the weights' tensors (codes, scales) one buffer in 2 MiB pages (nanoserve.model.huge_pages),
+    in place; returns whether the pages were advised huge."""
+    fields = [(w, name) for w in weights for name, value in vars(w).items() if isinstance(value, Tensor)]
+    if not fields:
+        return False
+    copies, advised = huge_page_copies([getattr(w, name) for w, name in fields])
+    for (weight, name), copy in zip(fields, copies, strict=True):
+        setattr(weight, name, copy)
+    return advised
 
 
 def fast_kernels(kernels: ModuleType | None) -> TypeGuard[ModuleType]:

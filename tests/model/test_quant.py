@@ -4,11 +4,14 @@ greedy agreement with bf16)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from paged_driver import PagedDriver
 from quality import bf16_model, greedy, on_grid, perplexity, shared_prefix_lengths
 
+from nanoserve.model.huge_pages import HUGE_PAGE, huge_page_copies
 from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.layers.linear import Linear
 from nanoserve.model.quant import (
@@ -202,3 +205,41 @@ def test_weight_bytes_per_step_count_the_copy_each_step_size_reads(tiny_gqa_dir,
         linear.quantized.max_tokens = 2  # steps past the limits read the bf16 weights
     past = LM_HEAD_QUANT_MAX_ROWS + 1
     assert int4.weight_bytes_per_step(past, past) == bf16.weight_bytes_per_step(past, past)
+
+
+def thp_mode() -> str:
+    """The bracketed choice in /sys/kernel/mm/transparent_hugepage/enabled ("" where there is none)."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return ""
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else ""
+
+
+def test_huge_page_copies_are_equal_views_of_one_aligned_buffer():
+    tensors = [torch.randn(3, 5), torch.arange(7, dtype=torch.uint8), torch.randn(300, 576).half()]
+    copies, advised = huge_page_copies(tensors)
+    assert all(torch.equal(c, t) and c.dtype == t.dtype for c, t in zip(copies, tensors, strict=True))
+    storages = {c.untyped_storage().data_ptr() for c in copies}
+    assert len(storages) == 1 and all(c.data_ptr() % 64 == 0 for c in copies)
+    assert copies[0].data_ptr() % HUGE_PAGE == 0
+    assert advised == (sys.platform == "linux" and thp_mode() in ("always", "madvise"))
+
+
+def test_quantized_weights_share_one_buffer_and_compute_the_same(tiny_gqa_dir, kernels):
+    path = str(tiny_gqa_dir)
+    model = bf16_model(path, "int4", kernels)
+    weights = model.quantized_weights()
+    buffers = {
+        t.untyped_storage().data_ptr()
+        for w in weights
+        for t in vars(w).values()
+        if isinstance(t, torch.Tensor)
+    }
+    assert len(weights) > 2 and len(buffers) == 1
+    # the same codes as a fresh quantization of the same weight, in their own tensors
+    layer = next(m for m in model.layers.modules() if isinstance(m, Linear) and m.quantized is not None)
+    fresh = quantize_weight(layer.weight, 4, kernels)
+    assert fresh is not None
+    x = torch.randn(5, layer.weight.shape[1]).bfloat16()
+    assert torch.equal(layer.quantized.matmul(x), fresh.matmul(x))

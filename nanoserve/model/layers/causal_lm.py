@@ -36,6 +36,7 @@ from nanoserve.model.quant import (
     GroupCodes,
     QuantizedWeight,
     fast_kernels,
+    move_to_huge_pages,
     pack_codes,
     quantize_weight,
 )
@@ -180,8 +181,16 @@ class CausalLM(nn.Module):
                 self.quantized_lm_head = quantize_weight(self.lm_head_weight, 8, kernels)
             if self.quantized_lm_head is not None:
                 self.quantized_lm_head.max_tokens = LM_HEAD_QUANT_MAX_ROWS
+        move_to_huge_pages(self.quantized_weights())
         if matmul_choice == "auto":
             choose_max_tokens(self._weight_shapes())
+
+    def quantized_weights(self) -> list[QuantizedWeight]:
+        """Every quantized copy: the decoder layers' matmuls, then the lm_head's."""
+        weights = [
+            m.quantized for m in self.layers.modules() if isinstance(m, Linear) and m.quantized is not None
+        ]
+        return weights + ([self.quantized_lm_head] if self.quantized_lm_head is not None else [])
 
     def _weight_shapes(self) -> list[WeightShape]:
         """The quantized weights grouped by shape, each beside its unquantized matmul (bias left out)."""
