@@ -29,8 +29,9 @@ from nanoserve.model.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from nanoserve.wire.messages import EngineCoreOutput, SchedulerStats
 
 MAX_HELD_TOKENS = 16
-"""A final-output-only request's tokens travel when it finishes or when this many are held back, so that an
-engine restarted after a crash resumes it at most this many tokens back, at 1/16 of the messages."""
+"""A final-output-only request's first token travels at once (its time to first token stays true), the
+others when it finishes or when this many are held back: an engine restarted after a crash resumes it at
+most this many tokens back, at 1/16 of the messages."""
 
 
 class Scheduler:
@@ -210,7 +211,12 @@ class Scheduler:
             entries = out.logprobs[j] if j < len(out.logprobs) else None
             logprobs = None if entries is None else entries[: len(tokens)]
             held = request.num_output_tokens - request.num_sent_tokens
-            if request.final_output_only and status is None and held < MAX_HELD_TOKENS:
+            if (
+                request.final_output_only
+                and status is None
+                and request.num_sent_tokens
+                and held < MAX_HELD_TOKENS
+            ):
                 request.held_logprobs.extend(logprobs or ())
                 continue
             is_first = request.num_sent_tokens == 0

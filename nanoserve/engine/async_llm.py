@@ -305,9 +305,15 @@ class AsyncLLM:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        final_output_only: bool = False,
     ) -> RequestStream:
-        """Validate and send a request; return its stream. ValueError (nothing sent) when it is invalid."""
+        """Validate and send a request; return its stream. ValueError (nothing sent) when it is invalid.
+        final_output_only: the caller reads only the finished output, so (without stop strings) the engine
+        sends the first token and then chunks of tokens, not every step (EngineCoreRequest.final_output_only)."""
         self._ensure_alive()
         self.start()
         if request_id in self.streams:
@@ -315,7 +321,9 @@ class AsyncLLM:
         if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt):
             prompt = await self.tokenize(prompt)
             self._ensure_alive()
-        text, request = self.processor.process(request_id, prompt, params or SamplingParams())
+        text, request = self.processor.process(
+            request_id, prompt, params or SamplingParams(), final_output_only
+        )
         if request_id in self.streams:
             raise ValueError(f"Request id {request_id!r} is already running.")
         stream = RequestStream(request_id)

@@ -40,8 +40,9 @@ class LLMEngine:
         final_output_only: bool = False,
     ) -> None:
         """Validate and queue a request; ValueError (and nothing queued) when it is invalid or its id is live.
-        final_output_only: `step` returns this request's output only when it finishes (where it has no stop
-        strings, its tokens then travel from the engine in chunks; see EngineCoreRequest.final_output_only)."""
+        final_output_only: the caller reads only the finished output; without stop strings the engine then
+        sends the first token and then chunks of tokens, not every step, so `step` returns this request's
+        output less often (see EngineCoreRequest.final_output_only)."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"Request id {request_id!r} is already running.")
         params = params or SamplingParams(**self.generation_defaults)

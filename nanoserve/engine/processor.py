@@ -92,8 +92,8 @@ class Processor:
         self, request_id: str, prompt: PromptType, params: SamplingParams, final_output_only: bool = False
     ) -> tuple[str | None, EngineCoreRequest]:
         """Return (prompt text or None, the request for the engine core). final_output_only: the caller
-        reads only finished outputs; the engine then sends the tokens in chunks, unless stop strings need
-        them step by step (see EngineCoreRequest.final_output_only)."""
+        reads only finished outputs; the engine then sends the first token and then chunks, unless stop
+        strings need every step (see EngineCoreRequest.final_output_only)."""
         params.validate()
         text, prompt_token_ids = self.tokenize(prompt)
         self._validate_prompt(prompt_token_ids)

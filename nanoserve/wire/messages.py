@@ -62,10 +62,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     takes them as produced (max_tokens, min_tokens, penalties and the seeded stream count them) and
     generates what follows."""
     final_output_only: bool = False
-    """Deliver the output tokens in chunks (nanoserve.core.scheduler.MAX_HELD_TOKENS) and at the finish, not
-    step by step: for a caller that wants only the finished result and has no stop strings for the
-    frontend to match (`LLM.generate`). Most steps then send nothing for it, which spares both processes a
-    message and its handling per step."""
+    """Deliver the first output token at once, the others in chunks (nanoserve.core.scheduler.MAX_HELD_TOKENS)
+    and at the finish, not step by step: for a caller that wants only the finished result and has no stop
+    strings for the frontend to match (`LLM.generate`, the server's requests without `stream`). Most steps
+    then send nothing for it, which spares both processes a message and its handling per step."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

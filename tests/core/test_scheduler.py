@@ -279,14 +279,16 @@ def test_final_output_only_sends_chunks_and_the_rest_at_the_finish():
         if outs:
             steps_with_output.append(i + 1)
         sent.extend(outs)
-    assert steps_with_output == [MAX_HELD_TOKENS, 2 * MAX_HELD_TOKENS, r.max_tokens]
+    # the first token at once, then every MAX_HELD_TOKENS, then the rest at the finish
+    assert steps_with_output == [1, 1 + MAX_HELD_TOKENS, 1 + 2 * MAX_HELD_TOKENS, r.max_tokens]
     assert [t for o in sent for t in o.new_token_ids] == [10 + i for i in range(r.max_tokens)]
     assert [lp[0] for o in sent for lp in o.new_logprobs or []] == [
         (10 + i, -float(i)) for i in range(r.max_tokens)
     ]
     # the first output carries the queue times, as the first token would; the last the finish
-    assert sent[0].queued_time == r.queued_time > 0 and sent[1].queued_time == 0.0
-    assert [o.finish_reason for o in sent] == [None, None, FinishReason.LENGTH]
+    assert sent[0].new_token_ids == [10] and sent[0].queued_time == r.queued_time > 0
+    assert sent[1].queued_time == 0.0
+    assert [o.finish_reason for o in sent] == [None, None, None, FinishReason.LENGTH]
     assert not s.has_unfinished_requests()
 
 
@@ -294,8 +296,8 @@ def test_final_output_only_hands_over_held_tokens_on_abort():
     s = make_scheduler()
     s.add_request(held_request("a", max_tokens=10))
     s.add_request(make_request("b", max_tokens=10, first_token=500))
-    outs = [o for _ in range(3) for o in step(s)[1]]
-    assert [o.request_id for o in outs] == ["b", "b", "b"]
+    outs = [o for _ in range(4) for o in step(s)[1]]
+    assert [o.request_id for o in outs] == ["a", "b", "b", "b", "b"]
     (a,) = s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     assert a.new_token_ids == [7, 7, 7] and a.finish_reason is FinishReason.ABORT
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from nanoserve.core.scheduler import MAX_HELD_TOKENS
 from nanoserve.engine.async_llm import AsyncLLM, IterationStats
 from nanoserve.engine.exceptions import EngineDeadError
 from nanoserve.entrypoints.llm import LLM
@@ -100,6 +101,36 @@ def test_concurrent_requests_n_and_stats(tiny_gqa_dir):
         f.time_to_first_token is not None and 0 < f.time_to_first_token <= f.e2e_latency for f in finished
     )
     assert sum(len(s.time_to_first_tokens) for s in recorded) == 8
+
+
+@pytest.mark.timeout(120)
+def test_final_output_only_request_gets_the_first_token_then_chunks(tiny_gqa_dir):
+    """What the server does for a request without `stream`: the same result as a streamed request, from
+    1 + ceil(199 / MAX_HELD_TOKENS) engine outputs instead of 200, with its time to first token."""
+    recorded: list[IterationStats] = []
+
+    async def final(engine: AsyncLLM, request_id: str, final_output_only: bool):
+        stream = await engine.add_request(request_id, "Once upon a time", LONG, final_output_only)
+        return [out async for out in engine.iterate(stream)][-1]
+
+    async def main():
+        engine = make_engine(tiny_gqa_dir, stat_loggers=[lambda sched, stats: recorded.append(stats)])
+        try:
+            streamed = await final(engine, "streamed", False)
+            outputs_streamed = sum(1 for s in recorded if s.num_generation_tokens)
+            recorded.clear()
+            held = await final(engine, "held", True)
+            return streamed, outputs_streamed, held
+        finally:
+            engine.shutdown()
+
+    streamed, outputs_streamed, held = run(main())
+    assert held.outputs[0].token_ids == streamed.outputs[0].token_ids
+    assert held.outputs[0].text == streamed.outputs[0].text and len(held.outputs[0].token_ids) == 200
+    assert outputs_streamed == 200
+    assert sum(1 for s in recorded if s.num_generation_tokens) == 1 - (-199 // MAX_HELD_TOKENS)
+    first = next(s for s in recorded if s.num_generation_tokens)
+    assert first.num_generation_tokens == 1 and len(first.time_to_first_tokens) == 1
 
 
 @pytest.mark.timeout(120)

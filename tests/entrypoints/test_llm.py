@@ -142,9 +142,9 @@ def test_engine_step_streams_and_abort(llm):
 
 
 def test_generate_holds_tokens_back_and_matches_a_streamed_request(llm, monkeypatch):
-    """generate wants finished outputs only, so the engine sends its tokens in chunks of MAX_HELD_TOKENS:
-    3 engine outputs for 40 tokens where a request streamed through LLMEngine.step gets 40, and the same
-    result."""
+    """generate wants finished outputs only, so the engine sends the first token and then chunks of
+    MAX_HELD_TOKENS: 4 engine outputs for 40 tokens where a request streamed through LLMEngine.step gets
+    40, and the same result."""
     engine = llm.llm_engine
     client = engine.engine_core
     outputs_per_request: dict[str, int] = {}
@@ -165,7 +165,7 @@ def test_generate_holds_tokens_back_and_matches_a_streamed_request(llm, monkeypa
         streamed = next((o for o in engine.step() if o.finished), streamed)
     (held,) = llm.generate("Hold on", params, use_tqdm=False)
     assert streamed is not None and outputs_per_request.pop("streamed") == 40
-    assert list(outputs_per_request.values()) == [-(-40 // MAX_HELD_TOKENS)]
+    assert list(outputs_per_request.values()) == [1 - (-39 // MAX_HELD_TOKENS)]
     want, got = streamed.outputs[0], held.outputs[0]
     assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
     assert got.logprobs == want.logprobs and got.cumulative_logprob == want.cumulative_logprob

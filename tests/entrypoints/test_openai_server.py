@@ -83,17 +83,18 @@ def test_api_key_enforced(server, model_name):
 
 @pytest.mark.timeout(60)
 def test_completion_non_streaming_and_streaming_agree(client, model_name):
-    full = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=12, **GREEDY)
+    # 40 tokens: without `stream` the engine sends the first token, then chunks of 16 (MAX_HELD_TOKENS)
+    full = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=40, **GREEDY)
     choice = full.choices[0]
     assert choice.finish_reason == "length" and choice.text
-    assert full.usage.completion_tokens == 12
-    assert full.usage.total_tokens == full.usage.prompt_tokens + 12 and full.usage.prompt_tokens > 0
+    assert full.usage.completion_tokens == 40
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 40 and full.usage.prompt_tokens > 0
 
     chunks = list(
         client.completions.create(
             model=model_name,
             prompt="Once upon a time",
-            max_tokens=12,
+            max_tokens=40,
             stream=True,
             stream_options={"include_usage": True},
             **GREEDY,
@@ -102,7 +103,7 @@ def test_completion_non_streaming_and_streaming_agree(client, model_name):
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 

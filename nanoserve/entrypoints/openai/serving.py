@@ -132,7 +132,9 @@ class OpenAIServing:
             params = request.to_sampling_params(max_tokens, self.engine.generation_defaults)
             if overrides:
                 params = msgspec.structs.replace(params, **overrides)
-            return await self.engine.add_request(request_id, prompt, params)
+            return await self.engine.add_request(
+                request_id, prompt, params, final_output_only=not request.stream
+            )
         except (ValueError, EngineDeadError) as e:
             raise engine_error(e) from e
 
