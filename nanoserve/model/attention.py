@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model.batch import NULL_BLOCK
+from nanoserve.model.huge_pages import huge_page_zeros
 
 
 @dataclass
@@ -243,7 +244,10 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
+    """One zeroed cache per layer; on the CPU all in one buffer in huge pages (nanoserve.model.huge_pages)."""
     shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
+    if device.type == "cpu":
+        return huge_page_zeros(num_layers, shape, dtype)[0]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 

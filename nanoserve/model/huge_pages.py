@@ -1,10 +1,11 @@
-"""Tensors in 2 MiB pages (Linux transparent huge pages), for the weights a decode step streams.
+"""Tensors in 2 MiB pages (Linux transparent huge pages): the weights a decode step streams, the KV cache.
 
 A decode step at batch 1 reads every quantized weight once, about 100 MB for SmolLM2-135M, and with
-4 KiB pages that is a TLB miss every 4 KiB, tens of thousands per step. Laid side by side in one buffer
-that the kernel is asked to back with 2 MiB pages (madvise MADV_HUGEPAGE, honoured where
+4 KiB pages that is a TLB miss every 4 KiB, tens of thousands per step; decode attention reads 2 KiB
+blocks scattered over a cache of a GiB, nearly a miss per block. Laid side by side in one buffer that
+the kernel is asked to back with 2 MiB pages (madvise MADV_HUGEPAGE, honoured where
 /sys/kernel/mm/transparent_hugepage/enabled is "always" or "madvise"), the same bytes take 512 times
-fewer misses. Separately, most of these tensors are too small to hold a whole aligned 2 MiB page.
+fewer pages. Apart, most of the weights are too small to fill an aligned 2 MiB page.
 """
 
 from __future__ import annotations
@@ -40,17 +41,30 @@ def _aligned(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
-def huge_page_copies(tensors: Sequence[Tensor]) -> tuple[list[Tensor], bool]:
-    """Copies of CPU tensors as views of one fresh buffer starting on a 2 MiB boundary, advised to huge
-    pages before it is written; returns them and whether the advice was taken."""
-    sizes = [_aligned(t.nbytes, ALIGNMENT) for t in tensors]
+def huge_page_views(nbytes: Sequence[int]) -> tuple[list[Tensor], bool]:
+    """Uninitialized uint8 tensors of these sizes, side by side in one fresh buffer that starts on a 2 MiB
+    boundary and is advised to huge pages before anything touches it; returns them and whether the
+    advice was taken."""
+    sizes = [_aligned(n, ALIGNMENT) for n in nbytes]
     buffer = torch.empty(sum(sizes) + HUGE_PAGE, dtype=torch.uint8)
     start = _aligned(buffer.data_ptr(), HUGE_PAGE) - buffer.data_ptr()
     advised = advise_huge_pages(buffer.data_ptr() + start, _aligned(sum(sizes), HUGE_PAGE))
-    copies = []
-    offset = start
-    for tensor, size in zip(tensors, sizes, strict=True):
-        view = buffer[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
-        copies.append(view.copy_(tensor))
+    views, offset = [], start
+    for n, size in zip(nbytes, sizes, strict=True):
+        views.append(buffer[offset : offset + n])
         offset += size
+    return views, advised
+
+
+def huge_page_copies(tensors: Sequence[Tensor]) -> tuple[list[Tensor], bool]:
+    """Copies of CPU tensors in one huge-page buffer (huge_page_views)."""
+    views, advised = huge_page_views([t.nbytes for t in tensors])
+    copies = [v.view(t.dtype).view(t.shape).copy_(t) for v, t in zip(views, tensors, strict=True)]
     return copies, advised
+
+
+def huge_page_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[list[Tensor], bool]:
+    """count zero tensors of one shape in one huge-page buffer (huge_page_views)."""
+    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+    views, advised = huge_page_views([nbytes] * count)
+    return [v.view(dtype).view(shape).zero_() for v in views], advised

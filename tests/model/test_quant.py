@@ -11,7 +11,7 @@ import torch
 from paged_driver import PagedDriver
 from quality import bf16_model, greedy, on_grid, perplexity, shared_prefix_lengths
 
-from nanoserve.model.huge_pages import HUGE_PAGE, huge_page_copies
+from nanoserve.model.huge_pages import HUGE_PAGE, huge_page_copies, huge_page_zeros
 from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.layers.linear import Linear
 from nanoserve.model.quant import (
@@ -224,6 +224,14 @@ def test_huge_page_copies_are_equal_views_of_one_aligned_buffer():
     assert len(storages) == 1 and all(c.data_ptr() % 64 == 0 for c in copies)
     assert copies[0].data_ptr() % HUGE_PAGE == 0
     assert advised == (sys.platform == "linux" and thp_mode() in ("always", "madvise"))
+
+
+def test_huge_page_zeros_are_separate_zeroed_tensors_of_one_buffer():
+    caches, _ = huge_page_zeros(3, (2, 3, 5, 16, 8), torch.bfloat16)
+    assert all(c.shape == (2, 3, 5, 16, 8) and c.dtype == torch.bfloat16 and not c.any() for c in caches)
+    caches[1].fill_(1)
+    assert not caches[0].any() and not caches[2].any() and caches[1].all()
+    assert len({c.untyped_storage().data_ptr() for c in caches}) == 1
 
 
 def test_quantized_weights_share_one_buffer_and_compute_the_same(tiny_gqa_dir, kernels):
