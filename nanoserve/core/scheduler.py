@@ -210,12 +210,11 @@ class Scheduler:
                 self.kv_cache.trim(request, request.num_tokens)
             entries = out.logprobs[j] if j < len(out.logprobs) else None
             logprobs = None if entries is None else entries[: len(tokens)]
-            held = request.num_output_tokens - request.num_sent_tokens
             if (
                 request.final_output_only
                 and status is None
                 and request.num_sent_tokens
-                and held < MAX_HELD_TOKENS
+                and request.num_output_tokens - request.num_sent_tokens < MAX_HELD_TOKENS
             ):
                 request.held_logprobs.extend(logprobs or ())
                 continue

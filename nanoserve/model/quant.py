@@ -96,16 +96,15 @@ class TorchInt4Weight:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
 
 
-def move_to_huge_pages(weights: Sequence[QuantizedWeight]) -> bool:
+def move_to_huge_pages(weights: Sequence[QuantizedWeight]) -> None:
     """Give the weights' tensors (codes, scales) one buffer in 2 MiB pages (nanoserve.model.huge_pages),
-    in place; returns whether the pages were advised huge."""
+    in place."""
     fields = [(w, name) for w in weights for name, value in vars(w).items() if isinstance(value, Tensor)]
     if not fields:
-        return False
-    copies, advised = huge_page_copies([getattr(w, name) for w, name in fields])
+        return
+    copies, _ = huge_page_copies([getattr(w, name) for w, name in fields])
     for (weight, name), copy in zip(fields, copies, strict=True):
         setattr(weight, name, copy)
-    return advised
 
 
 def fast_kernels(kernels: ModuleType | None) -> TypeGuard[ModuleType]:
