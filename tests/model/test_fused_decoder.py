@@ -4,7 +4,8 @@ Greedy ids must be the module path's token for token (the fused step runs the sa
 order, so it is exact, bf16 included) on every Llama-shaped family of tests/model/families.py, in float32
 and bfloat16, unquantized and int4, at batch 1 and in batches, under chunked prefill and preemption and
 with prefix-cache hits; and on the bundled model. In float32 both also match transformers
-(tests/model/test_families.py runs the engine, fused path included, against it).
+(tests/model/test_families.py runs the engine, fused path included, against it). A quantized bf16 step
+that runs in one OpenMP region must give the kernel-after-kernel step's hidden states bit for bit.
 """
 
 from __future__ import annotations
@@ -151,3 +152,56 @@ def test_drafted_steps_stay_on_the_fused_decode_step(shape, tmp_path):
     assert drafted == plain
     assert any(steps) and counting.num_calls == len(steps), "every decode step, drafted or not, is fused"
     assert engine.scheduler.get_stats().num_accepted_tokens > 0
+
+
+class RegionCheckingDecoder:
+    """A FusedDecoder that runs each step kernel after kernel, then in one region, and checks that the two
+    give the same bits (both write the same K/V to the same slots)."""
+
+    def __init__(self, fused) -> None:
+        self.fused, self.region_steps, self.batch_sizes = fused, 0, set()
+
+    def forward(self, x, *args):
+        self.fused.one_region = False
+        reference = self.fused.forward(x, *args)
+        self.fused.one_region = True
+        out = self.fused.forward(x, *args)
+        assert torch.equal(out, reference), "the one-region step differs from kernel after kernel"
+        if self.fused.one_region_at(x.shape[0]):
+            self.region_steps += 1
+            self.batch_sizes.add(x.shape[0])
+        return out
+
+
+def _check_regions(engine: EngineCore, prompts: list[list[int]]) -> RegionCheckingDecoder:
+    model = engine.runner.model
+    assert model is not None and model.fused_decoder is not None
+    model.fused_decoder = checking = RegionCheckingDecoder(model.fused_decoder)
+    _greedy(engine, prompts[:1], "one")
+    _greedy(engine, prompts, "many")
+    return checking
+
+
+def test_one_region_step_gives_the_kernel_after_kernel_bits(fused_dir):
+    checking = _check_regions(
+        _engine(fused_dir, "auto", dtype="bfloat16", quantization="int4"), _prompts(6, seed=4)
+    )
+    assert checking.region_steps > 0 and {1, 6} <= checking.batch_sizes
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_one_region_step_on_the_bundled_model(bundled_gguf_path, quantization):
+    from nanoserve.config import EngineOptions
+
+    options = EngineOptions(
+        model=bundled_gguf_path, dtype="bfloat16", quantization=quantization, num_kv_blocks=64
+    )
+    engine = EngineCore(options)
+    checking = _check_regions(engine, [list(range(100 + 7 * i, 120 + 9 * i)) for i in range(5)])
+    engine.shutdown()
+    assert checking.region_steps > 0 and {1, 5} <= checking.batch_sizes
+
+
+def test_unquantized_steps_stay_kernel_after_kernel(fused_dir):
+    model = _engine(fused_dir, "auto", dtype="bfloat16").runner.model
+    assert model is not None and not model.fused_decoder.one_region_at(1)

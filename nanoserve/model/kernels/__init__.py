@@ -33,7 +33,7 @@ SOURCES = [
         "sampling.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "vec16.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "vec16.h", "work_split.h")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 """-ffast-math lets the compiler vectorize the float reductions (sums in any order)."""
 

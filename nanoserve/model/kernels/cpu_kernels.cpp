@@ -24,8 +24,7 @@
 // FusedDecoder (fused_decoder.cpp): a whole decode step of the Llama-shaped families, kernel after kernel.
 #include "kernels.h"
 #include "vec16.h"
-
-#include <ATen/Parallel.h>
+#include "work_split.h"
 
 #include <algorithm>
 #include <cmath>
@@ -99,30 +98,22 @@ constexpr int64_t MIN_PART_TOKENS = 256;
 
 template <typename T, int FIXED_D>
 void decode_attention(const T* q, const T* kv, const int32_t* block_table, const int64_t* seq_lens, T* out,
-                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
-                      int64_t block_size, int64_t head_dim, int64_t max_blocks, float scale, int64_t window,
-                      float softcap) {
+                      int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+                      int64_t head_dim, int64_t max_blocks, float scale, int64_t window, float softcap,
+                      const AttentionSplit& split, float* scratch) {
   // a head size known at compile time lets the compiler unroll and vectorize every row loop
   const int64_t D = FIXED_D > 0 ? FIXED_D : head_dim;
   const int64_t per_kv = num_heads / num_kv_heads;
   const int64_t head_stride = num_blocks * block_size * D;
   const int64_t v_offset = num_kv_heads * head_stride;  // kv[1] - kv[0]
-  // the first position each sequence attends to: 0, or the start of its window
-  auto first_position = [&](int64_t seq) { return window > 0 ? std::max<int64_t>(0, seq_lens[seq] - window) : 0; };
-  int64_t longest = 0;
-  for (int64_t seq = 0; seq < num_seqs; ++seq) longest = std::max(longest, seq_lens[seq] - first_position(seq));
-  // Few (sequence, KV head) tasks would leave threads idle (3 KV heads on 2 threads at batch 1): then
-  // long contexts are split into parts, each with its own running softmax, merged at the end.
-  const int64_t tasks = num_seqs * num_kv_heads, threads = at::get_num_threads();
-  int64_t parts = 1;
-  if (tasks < 2 * threads)
-    parts = std::max<int64_t>(1, std::min((2 * threads + tasks - 1) / tasks, longest / MIN_PART_TOKENS));
-  const int64_t part_tokens = (longest + parts - 1) / parts;
+  auto first_position = [&](int64_t seq) { return first_attended(seq_lens[seq], window); };
+  const int64_t tasks = split.tasks, parts = split.parts, part_tokens = split.part_tokens;
   // per (task, part): the running max and total of each query head, and its unnormalized sum of V rows
-  std::vector<float> part_max(tasks * parts * per_kv), part_total(tasks * parts * per_kv);
-  std::vector<float> part_acc(tasks * parts * per_kv * D);
+  float* part_max = scratch;
+  float* part_total = part_max + tasks * parts * per_kv;
+  float* part_acc = part_total + tasks * parts * per_kv;
 
-  at::parallel_for(0, tasks * parts, 1, [&](int64_t begin, int64_t end) {
+  split_work(0, tasks * parts, 1, [&](int64_t begin, int64_t end) {
     // the positions [start, stop) an item covers
     auto item_start = [&](int64_t item) { return first_position(item / parts / num_kv_heads) + item % parts * part_tokens; };
     auto item_stop = [&](int64_t item) {
@@ -148,9 +139,9 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
       const int64_t start = item_start(item), stop = item_stop(item);
       const T* q_seq = q + (seq * num_heads + kv_head * per_kv) * D;
       for (int64_t i = 0; i < per_kv * D; ++i) query[i] = to_float(q_seq[i]) * scale;
-      float* acc = part_acc.data() + item * per_kv * D;
-      float* max_score = part_max.data() + item * per_kv;
-      float* total = part_total.data() + item * per_kv;
+      float* acc = part_acc + item * per_kv * D;
+      float* max_score = part_max + item * per_kv;
+      float* total = part_total + item * per_kv;
       std::fill(acc, acc + per_kv * D, 0.f);
       std::fill(max_score, max_score + per_kv, -INFINITY);
       std::fill(total, total + per_kv, 0.f);
@@ -212,7 +203,7 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
   });
 
   // each query head: its parts rescaled to the overall max, summed, normalized
-  at::parallel_for(0, tasks * per_kv, 16, [&](int64_t begin, int64_t end) {
+  split_work(0, tasks * per_kv, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> sum(D);
     for (int64_t head = begin; head < end; ++head) {
       const int64_t task = head / per_kv, h = head % per_kv;
@@ -225,7 +216,7 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
         if (part_total[item * per_kv + h] == 0.f) continue;  // a part beyond this sequence's context
         const float weight = std::exp(part_max[item * per_kv + h] - overall);
         total += part_total[item * per_kv + h] * weight;
-        const float* a = part_acc.data() + (item * per_kv + h) * D;
+        const float* a = part_acc + (item * per_kv + h) * D;
         for (int64_t d = 0; d < D; ++d) sum[d] += a[d] * weight;
       }
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
@@ -237,23 +228,55 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
 
 template <typename T>
 void decode_attention_any(int64_t head_dim, const T* q, const T* kv, const int32_t* block_table,
-                          const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                          float scale, int64_t window, float softcap) {
+                          const int64_t* seq_lens, T* out, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                          float softcap, const AttentionSplit& split, float* scratch) {
   switch (head_dim) {
 #define NANOSERVE_HEAD_DIM(D)                                                                              \
   case D:                                                                                                  \
-    return decode_attention<T, D>(q, kv, block_table, seq_lens, out, num_seqs, num_heads, num_kv_heads,    \
-                                  num_blocks, block_size, head_dim, max_blocks, scale, window, softcap);
+    return decode_attention<T, D>(q, kv, block_table, seq_lens, out, num_heads, num_kv_heads, num_blocks,  \
+                                  block_size, head_dim, max_blocks, scale, window, softcap, split, scratch);
     NANOSERVE_FOR_EACH_HEAD_DIM(NANOSERVE_HEAD_DIM)
 #undef NANOSERVE_HEAD_DIM
     default:
-      decode_attention<T, 0>(q, kv, block_table, seq_lens, out, num_seqs, num_heads, num_kv_heads, num_blocks,
-                             block_size, head_dim, max_blocks, scale, window, softcap);
+      decode_attention<T, 0>(q, kv, block_table, seq_lens, out, num_heads, num_kv_heads, num_blocks, block_size,
+                             head_dim, max_blocks, scale, window, softcap, split, scratch);
   }
 }
 
 }  // namespace
+
+AttentionSplit attention_split(const int64_t* seq_lens, int64_t num_seqs, int64_t num_kv_heads, int64_t window) {
+  int64_t longest = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq)
+    longest = std::max(longest, seq_lens[seq] - first_attended(seq_lens[seq], window));
+  // Few (sequence, KV head) tasks would leave threads idle (3 KV heads on 2 threads at batch 1): then
+  // long contexts are split into parts, each with its own running softmax, merged at the end.
+  const int64_t tasks = num_seqs * num_kv_heads, threads = at::get_num_threads();
+  int64_t parts = 1;
+  if (tasks < 2 * threads)
+    parts = std::max<int64_t>(1, std::min((2 * threads + tasks - 1) / tasks, longest / MIN_PART_TOKENS));
+  return {tasks, parts, (longest + parts - 1) / parts};
+}
+
+void paged_decode_attention_into(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                                 const torch::Tensor& block_table, const int64_t* seq_lens, double scale,
+                                 int64_t window, double softcap, const AttentionSplit& split, float* scratch,
+                                 const torch::Tensor& out) {
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
+  if (q.scalar_type() == torch::kBFloat16) {
+    decode_attention_any(head_dim, q.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>(),
+                         block_table.data_ptr<int32_t>(), seq_lens, out.data_ptr<at::BFloat16>(), num_heads,
+                         num_kv_heads, num_blocks, block_size, block_table.size(1), static_cast<float>(scale),
+                         window, static_cast<float>(softcap), split, scratch);
+  } else {
+    decode_attention_any(head_dim, q.data_ptr<float>(), kv_cache.data_ptr<float>(), block_table.data_ptr<int32_t>(),
+                         seq_lens, out.data_ptr<float>(), num_heads, num_kv_heads, num_blocks, block_size,
+                         block_table.size(1), static_cast<float>(scale), window, static_cast<float>(softcap),
+                         split, scratch);
+  }
+}
 
 // q: [S, H, D]; kv_cache: [2, Hkv, num_blocks, block_size, D]; block_table: int32 [S, max_blocks];
 // seq_lens: int64 [S] (context including the new token, already written to the cache); window: the last
@@ -262,45 +285,44 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
                                      torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous());
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and the KV cache must share a dtype");
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat32, "bfloat16 or float32 only");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt64);
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
   auto out = torch::empty({num_seqs, num_heads * head_dim}, q.options());
   auto lens = seq_lens.contiguous();
-  if (q.scalar_type() == torch::kBFloat16) {
-    decode_attention_any(head_dim, q.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>(),
-                         block_table.data_ptr<int32_t>(), lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(),
-                         num_seqs, num_heads, num_kv_heads, num_blocks, block_size, block_table.size(1),
-                         static_cast<float>(scale), window, static_cast<float>(softcap));
-  } else {
-    TORCH_CHECK(q.scalar_type() == torch::kFloat32, "bfloat16 or float32 only");
-    decode_attention_any(head_dim, q.data_ptr<float>(), kv_cache.data_ptr<float>(), block_table.data_ptr<int32_t>(),
-                         lens.data_ptr<int64_t>(), out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads,
-                         num_blocks, block_size, block_table.size(1), static_cast<float>(scale), window,
-                         static_cast<float>(softcap));
-  }
+  const AttentionSplit split = attention_split(lens.data_ptr<int64_t>(), num_seqs, kv_cache.size(1), window);
+  std::vector<float> scratch(split.scratch_floats(num_heads / kv_cache.size(1), head_dim));
+  paged_decode_attention_into(q, kv_cache, block_table, lens.data_ptr<int64_t>(), scale, window, softcap, split,
+                              scratch.data(), out);
   return out;
 }
 
 namespace {
 
+// One call for the rows of both paths (not inlined: the same machine code sums the squares in the same
+// order wherever it is called from, so a fused path's norms are the module path's bit for bit)
+template <typename T>
+__attribute__((noinline)) void norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden,
+                                         float eps) {
+  std::vector<float> w(hidden), row(hidden);
+  for (int64_t i = 0; i < hidden; ++i) w[i] = to_float(weight[i]);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* in = x + r * hidden;
+    float squares = 0.f;
+    for (int64_t i = 0; i < hidden; ++i) {
+      row[i] = to_float(in[i]);
+      squares += row[i] * row[i];
+    }
+    const float inv_rms = 1.f / std::sqrt(squares / hidden + eps);
+    T* o = out + r * hidden;  // may be x: the row is read whole first
+    for (int64_t i = 0; i < hidden; ++i) o[i] = static_cast<T>(row[i] * inv_rms * w[i]);
+  }
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(hidden);
-    for (int64_t i = 0; i < hidden; ++i) w[i] = to_float(weight[i]);
-    std::vector<float> row(hidden);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* in = x + r * hidden;
-      float squares = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) {
-        row[i] = to_float(in[i]);
-        squares += row[i] * row[i];
-      }
-      const float inv_rms = 1.f / std::sqrt(squares / hidden + eps);
-      T* o = out + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i) o[i] = static_cast<T>(row[i] * inv_rms * w[i]);
-    }
+  split_work(0, rows, 16, [&](int64_t begin, int64_t end) {
+    norm_rows(x + begin * hidden, weight, out + begin * hidden, end - begin, hidden, eps);
   });
 }
 
@@ -327,7 +349,7 @@ namespace {
 
 template <typename T>
 void add_elements(const T* a, const T* b, T* out, int64_t n) {
-  at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+  split_work(0, n, 16384, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) out[i] = static_cast<T>(to_float(a[i]) + to_float(b[i]));
   });
 }
@@ -356,7 +378,7 @@ template <typename T>
 void rope_rows(const T* qkv, const T* cos_sin, T* q_out, T* cache, const int64_t* slots, int64_t num_tokens,
                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head) {
   const int64_t half = head_dim / 2, row = (num_heads + 2 * num_kv_heads) * head_dim;
-  at::parallel_for(0, num_tokens, 4, [&](int64_t begin, int64_t end) {
+  split_work(0, num_tokens, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* cos = cos_sin + t * 2 * head_dim;  // [cos, cos]
       const T* sin = cos + head_dim;              // [-sin, sin]
@@ -390,7 +412,7 @@ inline float gelu_tanh(float g) {  // PyTorch's gelu(approximate="tanh")
 
 template <typename T, float (*ACT)(float)>
 void act_mul_rows(const T* x, T* out, int64_t rows, int64_t width) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  split_work(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * 2 * width;
       const T* up = gate + width;
@@ -443,6 +465,44 @@ torch::Tensor act_and_mul(torch::Tensor x) {
 // x: [T, 2 * I] (gate, then up) -> act(gate) * up [T, I]
 torch::Tensor silu_and_mul(torch::Tensor x) { return act_and_mul<silu>(x); }
 torch::Tensor gelu_tanh_and_mul(torch::Tensor x) { return act_and_mul<gelu_tanh>(x); }
+
+namespace raw_bf16 {
+
+void rms_norm(const bf16* x, const bf16* weight, bf16* out, int64_t rows, int64_t hidden, float eps) {
+  rms_norm_rows(x, weight, out, rows, hidden, eps);
+}
+
+void norm_heads(bf16* qkv, const bf16* q_norm, const bf16* k_norm, int64_t tokens, int64_t num_heads,
+                int64_t num_kv_heads, int64_t head_dim, float eps) {
+  const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
+  split_work(0, tokens, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      bf16* q = qkv + t * row;
+      norm_rows(q, q_norm, q, num_heads, head_dim, eps);
+      norm_rows(q + num_heads * head_dim, k_norm, q + num_heads * head_dim, num_kv_heads, head_dim, eps);
+    }
+  });
+}
+
+void add(const bf16* a, const bf16* b, bf16* out, int64_t n) { add_elements(a, b, out, n); }
+
+void add_bias(bf16* x, const bf16* bias, int64_t rows, int64_t width) {
+  split_work(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < width; ++i) x[r * width + i] = static_cast<bf16>(to_float(x[r * width + i]) + to_float(bias[i]));
+  });
+}
+
+void rope_write_kv(const bf16* qkv, const bf16* cos_sin, bf16* q, bf16* cache, const int64_t* slots, int64_t tokens,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head) {
+  rope_rows(qkv, cos_sin, q, cache, slots, tokens, num_heads, num_kv_heads, head_dim, slots_per_head);
+}
+
+void act_and_mul(bool gelu, const bf16* x, bf16* out, int64_t rows, int64_t width) {
+  (gelu ? act_mul_rows<bf16, gelu_tanh> : act_mul_rows<bf16, silu>)(x, out, rows, width);
+}
+
+}  // namespace raw_bf16
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv);

@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstring>
 #include <tuple>
 
@@ -19,6 +20,25 @@ inline float to_float(float x) { return x; }
 // The head sizes the attention kernels compile as constants (others take their generic path).
 #define NANOSERVE_FOR_EACH_HEAD_DIM(CASE) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(256)
 
+// How decode attention shares its work: a task per (sequence, KV head) and, with fewer tasks than threads
+// can share, each long context cut into `parts` of part_tokens positions, merged at the end.
+struct AttentionSplit {
+  int64_t tasks, parts, part_tokens;
+  // each (task, part)'s running max, total and sum of V rows, for every query head
+  int64_t scratch_floats(int64_t heads_per_kv, int64_t head_dim) const {
+    return tasks * parts * heads_per_kv * (head_dim + 2);
+  }
+};
+// the first position a sequence of seq_len tokens attends to: 0, or the start of its window
+inline int64_t first_attended(int64_t seq_len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
+}
+AttentionSplit attention_split(const int64_t* seq_lens, int64_t num_seqs, int64_t num_kv_heads, int64_t window);
+// paged_decode_attention into `out`, with the split's scratch: no allocation, no checks (see raw_bf16)
+void paged_decode_attention_into(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                                 const torch::Tensor& block_table, const int64_t* seq_lens, double scale,
+                                 int64_t window, double softcap, const AttentionSplit& split, float* scratch,
+                                 const torch::Tensor& out);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                                      torch::Tensor seq_lens, double scale, int64_t window, double softcap);
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
@@ -33,6 +53,32 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor gelu_tanh_and_mul(torch::Tensor x);
 bool quant_matmul_supported();
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits);
+
+// The activations' int8 copy, per-group scales and sums: rows * k, rows * k / 32 and rows * k / 32.
+struct QuantScratch {
+  int8_t* xq;
+  float* scales;
+  float* sums;
+};
+
+// The decode step's kernels over raw bf16 buffers, for FusedDecoder's one-region step (work_split.h): the
+// same code as the tensor entry points, without their allocations and checks, so that every thread of
+// the region can call them; the caller checks the shapes.
+namespace raw_bf16 {
+using bf16 = at::BFloat16;
+void rms_norm(const bf16* x, const bf16* weight, bf16* out, int64_t rows, int64_t hidden, float eps);
+// RMSNorm over each query head (q_norm) and key head (k_norm) of qkv [tokens, (H + 2 Hkv) * D], in place
+void norm_heads(bf16* qkv, const bf16* q_norm, const bf16* k_norm, int64_t tokens, int64_t num_heads,
+                int64_t num_kv_heads, int64_t head_dim, float eps);
+void add(const bf16* a, const bf16* b, bf16* out, int64_t n);
+// x [rows, width] += bias, rounded as torch's add rounds
+void add_bias(bf16* x, const bf16* bias, int64_t rows, int64_t width);
+void rope_write_kv(const bf16* qkv, const bf16* cos_sin, bf16* q, bf16* cache, const int64_t* slots, int64_t tokens,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head);
+void act_and_mul(bool gelu, const bf16* x, bf16* out, int64_t rows, int64_t width);
+void quant_matmul(const bf16* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales,
+                  int64_t bits, int64_t n, const QuantScratch& scratch, bf16* out);
+}  // namespace raw_bf16
 
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
                           torch::Tensor top_p, torch::Tensor min_p, torch::Tensor uniforms);

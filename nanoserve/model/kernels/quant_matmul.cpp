@@ -15,8 +15,7 @@
 //   8 bits: [N / 16, K / 32, 8, 16 columns, 4 inputs]
 //   scales: float16 [N / 16, K / 32, 2, 16 columns] (scale, then low): GGUF's Q4_0/Q4_1/Q8_0 values exactly
 #include "kernels.h"
-
-#include <ATen/Parallel.h>
+#include "work_split.h"
 
 #include <algorithm>
 #include <cmath>
@@ -102,7 +101,7 @@ inline float as_float(at::BFloat16 x) { return static_cast<float>(x); }
 // quantized values (times the scale), in one pass.
 template <typename T>
 void quantize_activations(const T* x, int8_t* xq, float* scales, float* sums, int64_t groups) {
-  at::parallel_for(0, groups, 1024, [&](int64_t begin, int64_t end) {
+  split_work(0, groups, 1024, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const T* in = x + g * GROUP;
       float values[GROUP], max_abs = 0.f;
@@ -127,7 +126,7 @@ template <int BITS, typename T>
 void quant_matmul_impl(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
                        const at::Half* scales, T* out, int64_t rows, int64_t k, int64_t n) {
   const int64_t groups = k / GROUP;
-  at::parallel_for(0, n / TILE, 4, [&](int64_t begin, int64_t end) {
+  split_work(0, n / TILE, 4, [&](int64_t begin, int64_t end) {
     for (int64_t chunk = 0; chunk < rows; chunk += CHUNK_ROWS) {
       const int64_t chunk_end = std::min(rows, chunk + CHUNK_ROWS);
       for (int64_t tile = begin; tile < end; ++tile) {
@@ -150,6 +149,15 @@ void quant_matmul_impl(const int8_t* xq, const float* x_scales, const float* x_s
       }
     }
   });
+}
+
+// x [rows, k] quantized into scratch, then times the codes into out [rows, n]
+template <typename T>
+void quantize_and_multiply(const T* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales,
+                           int64_t bits, int64_t n, const QuantScratch& scratch, T* out) {
+  quantize_activations(x, scratch.xq, scratch.scales, scratch.sums, rows * k / GROUP);
+  (bits == 4 ? quant_matmul_impl<4, T> : quant_matmul_impl<8, T>)(scratch.xq, scratch.scales, scratch.sums, codes,
+                                                                   scales, out, rows, k, n);
 }
 
 #endif  // NANOSERVE_QUANT_MATMUL
@@ -176,29 +184,27 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   auto xq = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
   auto x_scales = torch::empty({rows, k / GROUP}, x.options().dtype(torch::kFloat32));
   auto x_sums = torch::empty_like(x_scales);
+  const QuantScratch scratch{xq.data_ptr<int8_t>(), x_scales.data_ptr<float>(), x_sums.data_ptr<float>()};
   auto out = torch::empty({rows, n}, x.options());
   auto xc = x.contiguous();
-  const bool bf16 = xc.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || xc.scalar_type() == torch::kFloat32, "quant_matmul: bfloat16 or float32 x");
-  if (bf16) {
-    quantize_activations(xc.data_ptr<at::BFloat16>(), xq.data_ptr<int8_t>(), x_scales.data_ptr<float>(),
-                         x_sums.data_ptr<float>(), rows * k / GROUP);
+  if (xc.scalar_type() == torch::kBFloat16) {
+    quantize_and_multiply(xc.data_ptr<at::BFloat16>(), rows, k, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
+                          bits, n, scratch, out.data_ptr<at::BFloat16>());
   } else {
-    quantize_activations(xc.data_ptr<float>(), xq.data_ptr<int8_t>(), x_scales.data_ptr<float>(),
-                         x_sums.data_ptr<float>(), rows * k / GROUP);
-  }
-  auto run = [&](auto* out_data) {
-    using T = std::remove_pointer_t<decltype(out_data)>;
-    (bits == 4 ? quant_matmul_impl<4, T> : quant_matmul_impl<8, T>)(
-        xq.data_ptr<int8_t>(), x_scales.data_ptr<float>(), x_sums.data_ptr<float>(), codes.data_ptr<uint8_t>(),
-        scales.data_ptr<at::Half>(), out_data, rows, k, n);
-  };
-  if (bf16) {
-    run(out.data_ptr<at::BFloat16>());
-  } else {
-    run(out.data_ptr<float>());
+    TORCH_CHECK(xc.scalar_type() == torch::kFloat32, "quant_matmul: bfloat16 or float32 x");
+    quantize_and_multiply(xc.data_ptr<float>(), rows, k, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), bits,
+                          n, scratch, out.data_ptr<float>());
   }
   return out;
+#else
+  TORCH_CHECK(false, "quant_matmul needs AVX-512 VNNI; check quant_matmul_supported() first");
+#endif
+}
+
+void raw_bf16::quant_matmul(const bf16* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales,
+                            int64_t bits, int64_t n, const QuantScratch& scratch, bf16* out) {
+#ifdef NANOSERVE_QUANT_MATMUL
+  quantize_and_multiply(x, rows, k, codes, scales, bits, n, scratch, out);
 #else
   TORCH_CHECK(false, "quant_matmul needs AVX-512 VNNI; check quant_matmul_supported() first");
 #endif
