@@ -18,7 +18,6 @@
 #include "work_split.h"
 
 #include <algorithm>
-#include <cmath>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -94,27 +93,29 @@ void tile_rows(const int8_t* xq, const float* x_scales, const float* x_sums, con
   for (int r = 0; r < ROWS; ++r) store(out + r * n + tile * TILE, acc[r]);
 }
 
-inline float as_float(float x) { return x; }
-inline float as_float(at::BFloat16 x) { return static_cast<float>(x); }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // bf16 is the high half of a float32
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 
 // Each group of 32 activations to int8 (scale = max |x| / 127), with its scale and the sum of its
-// quantized values (times the scale), in one pass.
+// quantized values (times the scale), in one pass: two vectors a group.
 template <typename T>
 void quantize_activations(const T* x, int8_t* xq, float* scales, float* sums, int64_t groups) {
   split_work(0, groups, 1024, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
-      const T* in = x + g * GROUP;
-      float values[GROUP], max_abs = 0.f;
-      for (int64_t i = 0; i < GROUP; ++i) max_abs = std::max(max_abs, std::abs(values[i] = as_float(in[i])));
+      const __m512 low = load16(x + g * GROUP), high = load16(x + g * GROUP + 16);
+      const float max_abs = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
       const float scale = std::max(max_abs / 127.f, 1e-30f);
-      int32_t total = 0;
-      for (int64_t i = 0; i < GROUP; ++i) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(values[i] / scale));
-        xq[g * GROUP + i] = static_cast<int8_t>(q);
-        total += q;
-      }
+      const __m512 inverse = _mm512_set1_ps(1.f / scale);
+      // to the nearest integer, ties to even (the default rounding mode), as std::nearbyint
+      const __m512i q_low = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));
+      const __m512i q_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * GROUP), _mm512_cvtepi32_epi8(q_low));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * GROUP + 16), _mm512_cvtepi32_epi8(q_high));
       scales[g] = scale;
-      sums[g] = total * scale;
+      sums[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high)) * scale;
     }
   });
 }
