@@ -120,11 +120,10 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
       return std::min(seq_lens[item / parts / num_kv_heads], item_start(item) + part_tokens);
     };
     // a sequence's blocks sit anywhere in the cache, each too short for the hardware prefetcher to pick up:
-    // ask for them a few blocks ahead (the first ones while the previous item runs). Inlined by force: GCC
-    // counts a prefetch as no effect, and would drop a call to a function that does nothing else.
+    // ask for them a few blocks ahead. Inlined by force: GCC counts a prefetch as no effect, and would drop
+    // a call to a function that does nothing else.
     auto prefetch_block = [&](int64_t item, int64_t index) __attribute__((always_inline)) {
       const int64_t task = item / parts, seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-      if (index * block_size >= item_stop(item)) return;
       const int64_t offset = kv_head * head_stride + block_table[seq * max_blocks + index] * block_size * D;
       const char* k = reinterpret_cast<const char*>(kv + offset);
       const char* v = reinterpret_cast<const char*>(kv + offset + v_offset);
@@ -133,6 +132,21 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
         __builtin_prefetch(v + byte);
       }
     };
+    // The prefetch cursor runs PREFETCH_BLOCKS blocks ahead of the block being read, through this thread's
+    // items one after another: one block asked for per block read, at the same distance across the end of
+    // an item (asking for the next item's first blocks all at once as an item starts was 9 % slower at
+    // batch 64 with 96-token contexts).
+    int64_t ahead_item = begin, ahead_block = begin < end ? item_start(begin) / block_size : 0;
+    auto prefetch_next = [&]() __attribute__((always_inline)) {
+      while (ahead_item < end) {
+        if (ahead_block * block_size < item_stop(ahead_item)) {
+          prefetch_block(ahead_item, ahead_block++);
+          return;
+        }
+        if (++ahead_item < end) ahead_block = item_start(ahead_item) / block_size;
+      }
+    };
+    for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i) prefetch_next();
     std::vector<float> query(per_kv * D), scores(per_kv * block_size), row(D), rows(block_size * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t task = item / parts, seq = task / num_kv_heads, kv_head = task % num_kv_heads;
@@ -147,16 +161,12 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
       std::fill(total, total + per_kv, 0.f);
       const T* k_head = kv + kv_head * head_stride;
       const T* v_head = k_head + v_offset;
-      for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i) {
-        if (item == begin) prefetch_block(item, start / block_size + i);
-        if (item + 1 < end) prefetch_block(item + 1, item_start(item + 1) / block_size + i);
-      }
       // the rest of a block at a time, with a running softmax (max and total rescaled per block)
       for (int64_t position = start; position < stop;) {
         const int64_t block = block_table[seq * max_blocks + position / block_size];
         const int64_t first = block * block_size + position % block_size;  // the position's cache slot
         const int64_t n = std::min(block_size - position % block_size, stop - position);
-        prefetch_block(item, position / block_size + PREFETCH_BLOCKS);
+        prefetch_next();
         score_rows<T, FIXED_D>(k_head + first * D, n, D, per_kv, q_seq, query.data(), scale, row.data(),
                                scores.data(), block_size);
         for (int64_t h = 0; h < per_kv; ++h) {
