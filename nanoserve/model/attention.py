@@ -8,8 +8,9 @@ Requests are split into at most two groups per step, each one attention call per
 - decode (query length 1): batched matmuls with the query heads that share a KV head stacked as rows,
   so K/V are never repeated for GQA;
 - prefill (longer queries, chunked or not): with the C++ kernels, a causal flash-style kernel that reads
-  K/V in place and skips the keys after each query; otherwise queries padded to [num_seqs, max_query_len]
-  and one `scaled_dot_product_attention` call with a causal mask.
+  K/V in place and skips the keys after each query, or torch's causal flash attention for whole prompts
+  where the engine measured it faster (nanoserve.model.flash_prefill); otherwise queries padded to
+  [num_seqs, max_query_len] and one `scaled_dot_product_attention` call with a causal mask.
 Splitting keeps a long prefill from padding every decode in the batch to its length. A short query
 (a decode with its speculative drafts, up to `max_decode_query_len` tokens) joins the decode group as
 one row per token, each a sequence that ends at its own position: that is the causal mask, and it keeps
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model.batch import NULL_BLOCK
+from nanoserve.model.flash_prefill import WholePrompt, attend_whole_prompts
 from nanoserve.model.huge_pages import huge_page_zeros
 
 
@@ -62,6 +64,9 @@ class AttentionGroup:
     query_lens: torch.Tensor
     """int64 [num_seqs] each request's real queries, for the prefill kernel."""
     device: torch.device
+    whole_prompts: list[WholePrompt] | None = None
+    """Set where every sequence is a whole prompt long enough for torch's flash attention to beat the
+    prefill kernel (nanoserve.model.flash_prefill)."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -117,8 +122,10 @@ def build_attention_metadata(
     device: torch.device,
     kernels: ModuleType | None = None,
     max_decode_query_len: int = 1,
+    flash_min_query_len: int | None = None,
 ) -> AttentionMetadata:
-    """max_decode_query_len: queries up to this long are attended as decode rows, one per token."""
+    """max_decode_query_len: queries up to this long are attended as decode rows, one per token;
+    flash_min_query_len: prefills of whole prompts at least this long go to torch's flash attention."""
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     # blocks freed behind a sliding window are masked out; any valid id will do for the gather
@@ -155,6 +162,7 @@ def build_attention_metadata(
                     block_table,
                     block_size,
                     device,
+                    flash_min_query_len,
                 )
             )
     return AttentionMetadata(num_tokens, _to_device(slots, device), groups, kernels)
@@ -195,7 +203,15 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def _build_group(
-    members, num_seqs_in_batch, query_lens, seq_lens, token_starts, block_table, block_size, device
+    members,
+    num_seqs_in_batch,
+    query_lens,
+    seq_lens,
+    token_starts,
+    block_table,
+    block_size,
+    device,
+    flash_min_query_len,
 ) -> AttentionGroup:
     q_lens, s_lens, starts = query_lens[members], seq_lens[members], token_starts[members]
     num_seqs, max_q = len(members), int(q_lens.max())
@@ -232,7 +248,17 @@ def _build_group(
         query_starts=_to_device(starts, device),
         query_lens=_to_device(q_lens, device),
         device=device,
+        whole_prompts=_whole_prompts(q_lens, s_lens, starts, blocks, block_size, flash_min_query_len),
     )
+
+
+def _whole_prompts(q_lens, s_lens, starts, blocks, block_size, min_len) -> list[WholePrompt] | None:
+    if min_len is None or int(q_lens.min()) < max(min_len, 2) or bool((q_lens != s_lens).any()):
+        return None
+    return [
+        WholePrompt(int(start), int(n), torch.from_numpy(row[: -(-int(n) // block_size)].copy()))
+        for start, n, row in zip(starts, q_lens, blocks, strict=True)
+    ]
 
 
 def allocate_kv_cache(
@@ -307,6 +333,8 @@ def _attend_group(
         return kernels.paged_decode_attention(
             q.contiguous(), kv_cache, group.block_table, group.seq_lens, scale, window or 0, softcap or 0.0
         )
+    if group.whole_prompts is not None and window is None and softcap is None:
+        return attend_whole_prompts(q, kv_cache, group.whole_prompts, scale)
     if kernels is not None:
         return kernels.paged_prefill_attention(
             q.contiguous(),

@@ -18,6 +18,7 @@ from nanoserve.config import EngineOptions
 from nanoserve.model.attention import allocate_kv_cache, build_attention_metadata, kv_cache_bytes_per_block
 from nanoserve.model.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from nanoserve.model.config import ModelConfig
+from nanoserve.model.flash_prefill import measure_min_query_len
 from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.layers.causal_lm import CausalLM
 from nanoserve.model.loader import load_model, load_model_config, resolve_dtype
@@ -68,6 +69,13 @@ class ModelRunner:
             "loaded %s (%s) in %.1f s", self.config.name, self.dtype_name, time.perf_counter() - start
         )
         self.sampler = Sampler(options.seed, self.kernels)
+        self.flash_min_query_len = None
+        """Whole prompts at least this long attend through torch's flash attention (see flash_prefill)."""
+        if self.kernels is not None:
+            c = self.config
+            self.flash_min_query_len = measure_min_query_len(
+                self.kernels, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype, options.block_size
+            )
         self.max_decode_query_len = 1 + options.spec_num_tokens if options.speculative != "none" else 1
         """A decode with its drafts is verified on the decode path (see build_attention_metadata)."""
         self.kv_caches: list[torch.Tensor] = []
@@ -187,6 +195,7 @@ class ModelRunner:
             self.device,
             self.kernels,
             self.max_decode_query_len,
+            self.flash_min_query_len,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         positions_t = torch.from_numpy(positions).to(self.device, non_blocking=True)

@@ -21,10 +21,12 @@ class PagedDriver:
         num_blocks: int = 64,
         seed: int = 0,
         kernels=None,
+        flash_min_query_len: int | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
         self.kernels = kernels
+        self.flash_min_query_len = flash_min_query_len
         self.kv_caches = allocate_kv_cache(
             cfg.num_layers,
             num_blocks,
@@ -60,7 +62,13 @@ class PagedDriver:
             p for s in seq_ids for p in range(self.num_computed[s], self.num_computed[s] + schedule[s])
         ]
         attn = build_attention_metadata(
-            query_lens, seq_lens, block_table, BLOCK_SIZE, torch.device("cpu"), self.kernels
+            query_lens,
+            seq_lens,
+            block_table,
+            BLOCK_SIZE,
+            torch.device("cpu"),
+            self.kernels,
+            flash_min_query_len=self.flash_min_query_len,
         )
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, attn)

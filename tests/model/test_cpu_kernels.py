@@ -15,16 +15,6 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    from nanoserve.model.kernels import cpu_kernels
-
-    module = cpu_kernels()
-    if module is None:
-        pytest.skip("the C++ kernels cannot be built on this machine")
-    return module
-
-
 def _reference(q, kv_cache, block_table, seq_lens, window=0, softcap=0.0):
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]

@@ -164,6 +164,20 @@ def test_rope_scaling_matches_transformers(rope):
     assert factor == pytest.approx(ref_factor)
 
 
+def test_whole_prompts_through_flash_attention(models, kernels):
+    """Prefills of whole prompts through torch's flash attention (as where the engine measured it faster);
+    a later chunk of a prompt and the decodes stay on their own paths."""
+    ours, ref = models
+    lengths = [5, 11, 8]
+    driver = PagedDriver(ours, _prompts(lengths + [14], seed=4), kernels=kernels, flash_min_query_len=2)
+    driver.step({0: 5, 1: 11, 2: 8})
+    driver.step({3: 6})
+    driver.step({3: 8, 0: 1, 1: 1, 2: 1})
+    for _ in range(2):
+        driver.step({i: 1 for i in range(4)})
+    driver.check_against(ref)
+
+
 def test_attention_metadata_groups():
     block_table = np.array([[3, 1, 0], [2, 5, 4], [6, 0, 0]], dtype=np.int32)
     decode = build_attention_metadata(
