@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model.batch import NULL_BLOCK
-from nanoserve.model.flash_prefill import WholePrompt, attend_whole_prompts
+from nanoserve.model.flash_prefill import PrefillSplit, WholePrompt, attend_split
 from nanoserve.model.huge_pages import huge_page_zeros
 
 
@@ -64,9 +64,9 @@ class AttentionGroup:
     query_lens: torch.Tensor
     """int64 [num_seqs] each request's real queries, for the prefill kernel."""
     device: torch.device
-    whole_prompts: list[WholePrompt] | None = None
-    """Set where every sequence is a whole prompt long enough for torch's flash attention to beat the
-    prefill kernel (nanoserve.model.flash_prefill)."""
+    split: PrefillSplit | None = None
+    """Set where some sequence is a whole prompt long enough for torch's flash attention to beat the
+    prefill kernel (nanoserve.model.flash_prefill); the others go to the kernel."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -248,17 +248,30 @@ def _build_group(
         query_starts=_to_device(starts, device),
         query_lens=_to_device(q_lens, device),
         device=device,
-        whole_prompts=_whole_prompts(q_lens, s_lens, starts, blocks, block_size, flash_min_query_len),
+        split=_prefill_split(q_lens, s_lens, starts, blocks, block_size, flash_min_query_len),
     )
 
 
-def _whole_prompts(q_lens, s_lens, starts, blocks, block_size, min_len) -> list[WholePrompt] | None:
-    if min_len is None or int(q_lens.min()) < max(min_len, 2) or bool((q_lens != s_lens).any()):
+def _prefill_split(q_lens, s_lens, starts, blocks, block_size, min_len) -> PrefillSplit | None:
+    if min_len is None:
         return None
-    return [
+    flash = (q_lens == s_lens) & (q_lens >= max(min_len, 2))
+    if not flash.any():
+        return None
+    prompts = [
         WholePrompt(int(start), int(n), torch.from_numpy(row[: -(-int(n) // block_size)].copy()))
-        for start, n, row in zip(starts, q_lens, blocks, strict=True)
+        for start, n, row in zip(starts[flash], q_lens[flash], blocks[flash], strict=True)
     ]
+    rest = None
+    if not flash.all():
+        others = ~flash
+        rest = (
+            torch.from_numpy(blocks[others].astype(np.int32)),
+            torch.from_numpy(starts[others]),
+            torch.from_numpy(q_lens[others]),
+            torch.from_numpy(s_lens[others]),
+        )
+    return PrefillSplit(prompts, flash.tolist(), rest)
 
 
 def allocate_kv_cache(
@@ -333,8 +346,8 @@ def _attend_group(
         return kernels.paged_decode_attention(
             q.contiguous(), kv_cache, group.block_table, group.seq_lens, scale, window or 0, softcap or 0.0
         )
-    if group.whole_prompts is not None and window is None and softcap is None:
-        return attend_whole_prompts(q, kv_cache, group.whole_prompts, scale)
+    if kernels is not None and group.split is not None and window is None and softcap is None:
+        return attend_split(q, kv_cache, group.split, kernels, scale)
     if kernels is not None:
         return kernels.paged_prefill_attention(
             q.contiguous(),

@@ -6,9 +6,11 @@ sliding windows, soft-capped scores, many short prompts in one call. A prompt at
 is its entire context) with none of those needs only causal attention over its own new keys, which
 `scaled_dot_product_attention(is_causal=True)` computes; on a CPU with AMX, torch runs it on the bf16
 tiles, and there it took 0.40x the kernel's time at 512 tokens and 0.76x at 64 (Xeon, 2 cores), where the
-kernel has no tiles to use. Which one wins depends on the CPU, so the engine times both when it starts, on
-its model's head shape and dtype, and sends a prefill to SDPA when every sequence in it is a whole prompt
-at least `min_query_len` long: the shortest measured length from which SDPA won at every longer one.
+kernel has no tiles to use. Which one wins depends on the CPU, so the engine times both the first time it
+starts on a CPU with its model's head shape and dtype, and sends a prefill to SDPA when every sequence in
+it is a whole prompt at least `min_query_len` long (each sequence of a prefill on its own): the shortest
+measured length from which SDPA won at every longer one. The choice is cached beside the matmul choice, keyed the same way: the two paths round
+differently, and engines started with the same options on one machine must give the same tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from nanoserve.model.kernels import cpu_identity, library_name
+from nanoserve.model.matmul_choice import cache_file, read_cache, write_cache
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +44,24 @@ class WholePrompt:
     """int64 [ceil(length / block_size)] its KV blocks"""
 
 
+@dataclass(frozen=True)
+class PrefillSplit:
+    """A prefill's sequences, each to the path its own length and context choose (never its batch-mates':
+    the two paths round differently, and a sequence's tokens must not depend on what it was batched with).
+    """
+
+    prompts: list[WholePrompt]
+    """the whole prompts long enough for SDPA"""
+    flash: list[bool]
+    """per sequence of the group, in order: whether it is the next of `prompts`"""
+    rest: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    """the other sequences' block table, query starts, query lengths and sequence lengths, for the kernel"""
+
+
 def attend_whole_prompts(
     q: torch.Tensor, kv_cache: torch.Tensor, prompts: list[WholePrompt], scale: float
-) -> torch.Tensor:
-    """q: [T, H, D] with each prompt's K/V already in the cache -> [sum(lengths), H * D], prompt by prompt."""
+) -> list[torch.Tensor]:
+    """q: [T, H, D] with each prompt's K/V already in the cache -> [length, H * D] per prompt."""
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     outputs = []
     for prompt in prompts:
@@ -55,7 +74,30 @@ def attend_whole_prompts(
             query.unsqueeze(0), kv[0:1], kv[1:2], is_causal=True, scale=scale, enable_gqa=True
         )
         outputs.append(out[0].transpose(0, 1).reshape(prompt.length, -1))
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return outputs
+
+
+def attend_split(
+    q: torch.Tensor, kv_cache: torch.Tensor, split: PrefillSplit, kernels: ModuleType, scale: float
+) -> torch.Tensor:
+    """The group's prefill attention, [sum(query_lens), H * D] sequence after sequence as the kernel's."""
+    flash = iter(attend_whole_prompts(q, kv_cache, split.prompts, scale))
+    if split.rest is None:
+        return torch.cat(list(flash))
+    block_table, starts, query_lens, seq_lens = split.rest
+    rest = kernels.paged_prefill_attention(
+        q, kv_cache, block_table, starts, query_lens, seq_lens, scale, 0, 0.0
+    )
+    pieces, row = [], 0
+    rest_lens = iter(query_lens.tolist())
+    for is_flash in split.flash:
+        if is_flash:
+            pieces.append(next(flash))
+        else:
+            n = next(rest_lens)
+            pieces.append(rest[row : row + n])
+            row += n
+    return torch.cat(pieces)
 
 
 def _elapsed(fn: Callable[[], torch.Tensor]) -> float:
@@ -64,14 +106,15 @@ def _elapsed(fn: Callable[[], torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
-def _time_ratio(
+def time_ratio(
     kernels: ModuleType, length: int, shape: tuple[int, int, int], dtype: torch.dtype, block_size: int
 ) -> float:
     """SDPA's time over the C++ kernel's on one whole prompt, each the best of PASSES interleaved runs."""
     num_heads, num_kv_heads, head_dim = shape
     blocks = -(-length // block_size)
-    q = torch.randn(length, num_heads, head_dim).to(dtype)
-    kv_cache = torch.randn(2, num_kv_heads, blocks, block_size, head_dim).to(dtype)
+    generator = torch.Generator().manual_seed(0)  # the engine's own random state stays as it was
+    q = torch.randn(length, num_heads, head_dim, generator=generator).to(dtype)
+    kv_cache = torch.randn(2, num_kv_heads, blocks, block_size, head_dim, generator=generator).to(dtype)
     prompts = [WholePrompt(0, length, torch.arange(blocks))]
     table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
     starts, lens = torch.tensor([0]), torch.tensor([length])
@@ -81,7 +124,7 @@ def _time_ratio(
         return kernels.paged_prefill_attention(q, kv_cache, table, starts, lens, lens, scale, 0, 0.0)
 
     def sdpa() -> torch.Tensor:
-        return attend_whole_prompts(q, kv_cache, prompts, scale)
+        return attend_whole_prompts(q, kv_cache, prompts, scale)[0]
 
     kernel(), sdpa()
     times = [(_elapsed(kernel), _elapsed(sdpa)) for _ in range(PASSES)]
@@ -89,18 +132,31 @@ def _time_ratio(
 
 
 def measure_min_query_len(
-    kernels: ModuleType, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int
-) -> int | None:
+    kernels: ModuleType, shape: tuple[int, int, int], dtype: torch.dtype, block_size: int
+) -> tuple[int | None, dict[int, float]]:
     """The shortest whole-prompt length from which SDPA beat the C++ kernel at every measured length
-    (None: the kernel always won), timed at the engine's thread count."""
+    (None: the kernel always won), with the ratios, timed at the engine's thread count."""
     with torch.inference_mode():
-        shape = (num_heads, num_kv_heads, head_dim)
-        ratios = {n: _time_ratio(kernels, n, shape, dtype, block_size) for n in QUERY_LENS}
+        ratios = {n: time_ratio(kernels, n, shape, dtype, block_size) for n in QUERY_LENS}
     min_len = None
     for length in reversed(QUERY_LENS):
         if ratios[length] >= 1.0:
             break
         min_len = length
+    return min_len, ratios
+
+
+def choose_min_query_len(
+    kernels: ModuleType, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int
+) -> int | None:
+    """measure_min_query_len's answer for this CPU, kernel build and head shape, measured once."""
+    key = f"{library_name(cpu_identity())} flash_prefill {dtype} {num_heads}x{num_kv_heads}x{head_dim}/{block_size}"
+    path = cache_file()
+    cached = read_cache(path).get(key)
+    if cached is not None:
+        return cached["min_query_len"]
+    min_len, ratios = measure_min_query_len(kernels, (num_heads, num_kv_heads, head_dim), dtype, block_size)
+    write_cache(path, read_cache(path) | {key: {"min_query_len": min_len, "ratios": ratios}})
     logger.info(
         "prefill attention of whole prompts: %s (SDPA time / C++ kernel time: %s)",
         f"SDPA from {min_len} tokens" if min_len is not None else "the C++ kernel",

@@ -94,13 +94,14 @@ def measure_ratios(shape: WeightShape) -> dict[int, float]:
     ratios = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)  # the engine's own random state stays as it was
     try:
         with torch.inference_mode():
             for size in shape.step_sizes:
                 count = len(shape.quantized) if size <= STREAMED_STEP else 1
                 quantized = [w.matmul for w in shape.quantized[:count]]
                 unquantized = shape.unquantized[:count]
-                x = torch.randn(size, shape.in_features).to(shape.dtype)
+                x = torch.randn(size, shape.in_features, generator=generator).to(shape.dtype)
                 _time(quantized, x), _time(unquantized, x)  # oneDNN builds its kernel for a new size
                 times = [(_time(quantized, x), _time(unquantized, x)) for _ in range(PASSES)]
                 ratios[size] = min(q for q, _ in times) / min(u for _, u in times)
@@ -109,14 +110,14 @@ def measure_ratios(shape: WeightShape) -> dict[int, float]:
     return ratios
 
 
-def _load(path: Path) -> dict:
+def read_cache(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _save(path: Path, entries: dict) -> None:
+def write_cache(path: Path, entries: dict) -> None:
     """Written whole under a temporary name, then renamed: engines starting together never read half a file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +133,7 @@ def choose_max_tokens(shapes: list[WeightShape]) -> dict[str, dict]:
     """Set every quantized weight's max_tokens from the cache, measuring the shapes it lacks; returns
     each shape's entry ({"max_tokens", "ratios"})."""
     path = cache_file()
-    cached = _load(path)
+    cached = read_cache(path)
     missing = [s for s in shapes if s.key not in cached]
     if missing:
         start = time.perf_counter()
@@ -144,8 +145,7 @@ def choose_max_tokens(shapes: list[WeightShape]) -> dict[str, dict]:
             len(missing),
             time.perf_counter() - start,
         )
-        entries = _load(path) | {s.key: cached[s.key] for s in missing}
-        _save(path, entries)
+        write_cache(path, read_cache(path) | {s.key: cached[s.key] for s in missing})
     for shape in shapes:
         for weight in shape.quantized:
             weight.max_tokens = cached[shape.key]["max_tokens"]

@@ -18,7 +18,7 @@ from nanoserve.config import EngineOptions
 from nanoserve.model.attention import allocate_kv_cache, build_attention_metadata, kv_cache_bytes_per_block
 from nanoserve.model.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from nanoserve.model.config import ModelConfig
-from nanoserve.model.flash_prefill import measure_min_query_len
+from nanoserve.model.flash_prefill import choose_min_query_len
 from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.layers.causal_lm import CausalLM
 from nanoserve.model.loader import load_model, load_model_config, resolve_dtype
@@ -73,7 +73,7 @@ class ModelRunner:
         """Whole prompts at least this long attend through torch's flash attention (see flash_prefill)."""
         if self.kernels is not None:
             c = self.config
-            self.flash_min_query_len = measure_min_query_len(
+            self.flash_min_query_len = choose_min_query_len(
                 self.kernels, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype, options.block_size
             )
         self.max_decode_query_len = 1 + options.spec_num_tokens if options.speculative != "none" else 1
