@@ -255,7 +255,7 @@ def _build_group(
 def _prefill_split(q_lens, s_lens, starts, blocks, block_size, min_len) -> PrefillSplit | None:
     if min_len is None:
         return None
-    flash = (q_lens == s_lens) & (q_lens >= max(min_len, 2))
+    flash = (q_lens == s_lens) & (q_lens >= min_len)  # a prefill group's queries are 2 or more
     if not flash.any():
         return None
     prompts = [

@@ -6,11 +6,11 @@ sliding windows, soft-capped scores, many short prompts in one call. A prompt at
 is its entire context) with none of those needs only causal attention over its own new keys, which
 `scaled_dot_product_attention(is_causal=True)` computes; on a CPU with AMX, torch runs it on the bf16
 tiles, and there it took 0.40x the kernel's time at 512 tokens and 0.76x at 64 (Xeon, 2 cores), where the
-kernel has no tiles to use. Which one wins depends on the CPU, so the engine times both the first time it
-starts on a CPU with its model's head shape and dtype, and sends a prefill to SDPA when every sequence in
-it is a whole prompt at least `min_query_len` long (each sequence of a prefill on its own): the shortest
-measured length from which SDPA won at every longer one. The choice is cached beside the matmul choice, keyed the same way: the two paths round
-differently, and engines started with the same options on one machine must give the same tokens.
+kernel has no tiles to use. Which one wins depends on the CPU, so the first engine to start on a CPU
+with a given head shape and dtype times both, and each sequence of a prefill that is a whole prompt at
+least `min_query_len` long goes to SDPA, on its own: the shortest measured length from which SDPA won
+at every longer one. The choice is cached beside the matmul choice and keyed the same way: the two paths
+round differently, and engines started with the same options on one machine must give the same tokens.
 """
 
 from __future__ import annotations

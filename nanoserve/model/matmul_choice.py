@@ -13,9 +13,9 @@ few passes undid, while the ratio itself barely depends on the thread count (bot
 same columns). Steps of decode size pass over every weight of the shape, as a step of the model does:
 a weight timed alone stays in the caches from pass to pass, where the model's step reads it from
 memory, and on an AMX Xeon that made bf16 look 1.1x faster than int4 at 32 rows where, in the model,
-int4 at 32 rows decoded 1.2x faster. The limits are cached in matmul_choice.json beside the kernel builds, keyed by the kernel
-build (source, flags, torch version, CPU model and flags), dtype and shape, so later starts on the same
-machine read them. "fixed" keeps the built-in limits of nanoserve.model.quant.
+int4 at 32 rows decoded 1.2x faster. The limits are cached in matmul_choice.json beside the kernel
+builds, keyed by the kernel build (source, flags, torch version, CPU model and flags), the method, dtype
+and shape, so later starts on the same machine read them. "fixed" keeps the built-in limits of nanoserve.model.quant.
 """
 
 from __future__ import annotations
