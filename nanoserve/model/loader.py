@@ -55,7 +55,7 @@ def load_model(
     matmul_choice: str = "fixed",
 ) -> CausalLM:
     """kernels: the C++ CPU kernels (nanoserve.model.kernels), for the quantized formats they run;
-    matmul_choice: see nanoserve.model.matmul_choice."""
+    matmul_choice: see nanoserve.model.matmul_choice and nanoserve.model.pack_choice."""
     quantization = resolve_quantization(quantization, path, device)
     error = quantization_error(quantization, device, kernels)
     if error:
@@ -89,7 +89,7 @@ def load_model(
     model.load_state_dict(state, assign=True)  # the loaded tensors become the parameters: no second copy
     model.requires_grad_(False).eval()
     if cpu_prepack_supported(dtype, device):
-        model.prepack_for_cpu()
+        model.prepack_for_cpu(matmul_choice)
     if quantization != "none":
         model.quantize(quantization, kernels, matmul_choice, codes)
     return model

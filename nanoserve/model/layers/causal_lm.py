@@ -31,6 +31,7 @@ from nanoserve.model.matmul_choice import (
     choose_max_tokens,
     shape_key,
 )
+from nanoserve.model.pack_choice import choose_batch_hints
 from nanoserve.model.quant import (
     LM_HEAD_QUANT_MAX_ROWS,
     GroupCodes,
@@ -129,13 +130,22 @@ class CausalLM(nn.Module):
 
     # -- after loading ------------------------------------------------------------------------
 
-    def prepack_for_cpu(self) -> None:
-        """Pack every matmul weight for oneDNN (CPU, bf16); the weights stay for everything else."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.prepack()
+    def prepack_for_cpu(self, matmul_choice: str = "fixed") -> None:
+        """Pack every matmul weight for oneDNN (CPU, bf16); the weights stay for everything else. Each
+        shape's layout: measured with matmul_choice "auto", else batch 1's (nanoserve.model.pack_choice)."""
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        weights = [module.weight for module in linears]
         if self.lm_head is None:
-            self.packed_embed = pack_weight(self.embed_tokens.weight)
+            weights.append(self.embed_tokens.weight)
+        by_shape: dict[tuple[int, int], list[Tensor]] = {}
+        for weight in weights:
+            by_shape.setdefault((weight.shape[0], weight.shape[1]), []).append(weight)
+        hints = choose_batch_hints(by_shape) if matmul_choice == "auto" else dict.fromkeys(by_shape, 1)
+        for module in linears:
+            module.prepack(hints[(module.weight.shape[0], module.weight.shape[1])])
+        if self.lm_head is None:
+            embed = self.embed_tokens.weight
+            self.packed_embed = pack_weight(embed, hints[(embed.shape[0], embed.shape[1])])
 
     def use_cpu_kernels(self, kernels: ModuleType, fused_decode: bool = True) -> None:
         """RMSNorm and the MLP's activation in C++; attention takes its kernels from AttentionMetadata.

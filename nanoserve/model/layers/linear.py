@@ -18,8 +18,9 @@ def cpu_prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
-def pack_weight(weight: Tensor) -> Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)  # 1: tuned for decode-sized batches
+def pack_weight(weight: Tensor, batch_hint: int = 1) -> Tensor:
+    """The weight in the blocked layout oneDNN picks for steps of batch_hint rows (nanoserve.model.pack_choice)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
 
 
 def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
@@ -39,8 +40,8 @@ class Linear(nn.Linear):
     quantized: QuantizedWeight | None = None
     """Used for steps of up to quantized.max_tokens rows (see nanoserve.model.quant)."""
 
-    def prepack(self) -> None:
-        self.packed = pack_weight(self.weight)
+    def prepack(self, batch_hint: int = 1) -> None:
+        self.packed = pack_weight(self.weight, batch_hint)
 
     def forward(self, input: Tensor) -> Tensor:  # nn.Linear's name for it
         if self.quantized is not None and input.shape[0] <= self.quantized.max_tokens:

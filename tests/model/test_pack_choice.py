@@ -1,0 +1,95 @@
+"""The packed layout of oneDNN's bf16 weights, chosen per CPU and shape (nanoserve/model/pack_choice.py):
+the winner read off measured times, the cache, the fixed rule, and the same products in every layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from quality import CPU
+
+from nanoserve.model import pack_choice
+from nanoserve.model.layers.linear import Linear, cpu_prepack_supported, pack_weight, packed_linear
+from nanoserve.model.loader import load_model, load_model_config
+
+pytestmark = pytest.mark.skipif(
+    not cpu_prepack_supported(torch.bfloat16, CPU), reason="oneDNN's bf16 packing is not available here"
+)
+
+
+def test_winner_is_the_lowest_total_relative_to_the_fastest_at_each_size():
+    # hint 1 wins small steps by 10 %, hint 32 the 64-row step by 25 %: relative totals 2.1 against 2.33
+    assert pack_choice.best_hint({1: {1: 1.0, 64: 2.0}, 32: {1: 1.1, 64: 1.5}}) == 32
+    assert pack_choice.best_hint({1: {1: 1.0, 64: 1.6}, 32: {1: 1.5, 64: 1.5}}) == 1
+
+
+def test_every_layout_gives_the_products_of_the_plain_weight():
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=generator).bfloat16()
+    for rows in (1, 16, 64):
+        x = torch.randn(rows, 64, generator=generator).bfloat16()
+        expected = F.linear(x.float(), weight.float())
+        for hint in pack_choice.BATCH_HINTS:
+            out = packed_linear(x, pack_weight(weight, hint), None)
+            torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.fixture
+def choice_file(tmp_path, monkeypatch):
+    path = tmp_path / "matmul_choice.json"
+    monkeypatch.setattr(pack_choice, "cache_file", lambda: path)
+    return path
+
+
+def _bf16_model(path: str, choice: str):
+    return load_model(path, load_model_config(path), torch.bfloat16, CPU, "none", None, choice)
+
+
+def test_measured_once_then_read_from_the_cache(tiny_gqa_dir, choice_file, monkeypatch):
+    model = _bf16_model(str(tiny_gqa_dir), "auto")
+    entries = {key: entry for key, entry in json.loads(choice_file.read_text()).items() if " pack " in key}
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)}
+    shapes.add(tuple(model.embed_tokens.weight.shape))  # the tied lm_head
+    assert len(entries) == len(shapes)
+    assert {entry["batch_hint"] for entry in entries.values()} <= set(pack_choice.BATCH_HINTS)
+
+    def no_measuring(weights):
+        raise AssertionError(f"measured {tuple(weights[0].shape)} again")
+
+    monkeypatch.setattr(pack_choice, "measure_times", no_measuring)
+    _bf16_model(str(tiny_gqa_dir), "auto")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # another thread count splits differently
+    with pytest.raises(AssertionError, match="measured"):
+        _bf16_model(str(tiny_gqa_dir), "auto")
+
+
+def test_cached_layout_is_the_one_packed_and_fixed_measures_nothing(tiny_gqa_dir, choice_file, monkeypatch):
+    hints: dict[tuple[int, int], set[int]] = {}
+    prepack = Linear.prepack
+
+    def recording_prepack(self: Linear, batch_hint: int = 1) -> None:
+        hints.setdefault(tuple(self.weight.shape), set()).add(batch_hint)
+        prepack(self, batch_hint)
+
+    monkeypatch.setattr(Linear, "prepack", recording_prepack)
+    _bf16_model(str(tiny_gqa_dir), "fixed")
+    assert not choice_file.exists()
+    assert hints and all(found == {1} for found in hints.values())
+
+    model = _bf16_model(str(tiny_gqa_dir), "fixed")
+    qkv_shape = tuple(model.layers[0].self_attn.qkv_proj.weight.shape)
+    cached = {pack_choice.pack_key(shape, torch.bfloat16): {"batch_hint": 1, "times": {}} for shape in hints}
+    cached[pack_choice.pack_key(qkv_shape, torch.bfloat16)]["batch_hint"] = 32
+    embed_shape = tuple(model.embed_tokens.weight.shape)
+    cached[pack_choice.pack_key(embed_shape, torch.bfloat16)] = {"batch_hint": 1, "times": {}}
+    choice_file.write_text(json.dumps(cached))
+    hints.clear()
+    model = _bf16_model(str(tiny_gqa_dir), "auto")
+    assert hints.pop(qkv_shape) == {32}
+    assert all(found == {1} for found in hints.values())
+    qkv = model.layers[0].self_attn.qkv_proj
+    x = torch.randn(64, qkv.in_features).bfloat16()
+    with torch.inference_mode():
+        torch.testing.assert_close(qkv(x), F.linear(x, qkv.weight), rtol=1e-2, atol=1e-2)
