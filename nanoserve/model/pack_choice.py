@@ -1,25 +1,31 @@
-"""Which blocked layout oneDNN's bf16 weights are packed in, measured once per CPU and weight shape.
+"""How oneDNN's bf16 weights are laid out, measured once per CPU and weight shape.
 
 `torch.ops.mkldnn._reorder_linear_weight(weight, batch)` lays a weight out for the kernel oneDNN would
 pick at that batch size, and every later step, whatever its size, runs on that layout. On a two-core
 AMX Xeon the layout for batch 1 (64-column blocks) left a 576-column matmul split 5 blocks to 4 between
 the threads; the one for batch 32 (32-column blocks) ran the model's 64-row steps 18 % faster per
-layer and decoded batch 64 1.15x faster, with batch 1 and a 512-token prefill unchanged. Which layout
-wins depends on the CPU's kernels and the thread count, so with matmul_choice "auto" each shape's is
-measured when the engine starts: every candidate layout's time at decode step sizes, with the engine's
-threads (the split between them is what differs), over the weights of the shape as a step reads them
-(at most STREAMED_BYTES of them), best of PASSES interleaved passes. The winner, the lowest sum of
-times relative to the fastest at each size, is cached in matmul_choice.json (nanoserve.model.matmul_choice)
-under the CPU, thread count, dtype and shape. "fixed" keeps batch 1's layout.
+layer and decoded batch 64 1.15x faster, but 512-row steps of the 576-column weights 1.5x slower,
+where F.linear on the plain weight (laid out anew for each call's size) was as fast as batch 1's
+layout. Which wins depends on the CPU's kernels and the thread count, so with matmul_choice "auto" each
+shape's layout is measured when the engine starts: every candidate's time at decode step sizes, with
+the engine's threads (the split between them is what differs), over the weights of the shape as a step
+reads them (at most STREAMED_BYTES of them), best of PASSES interleaved passes; the winner has the
+lowest sum of times relative to the fastest at each size. Then the winner against the plain weight at
+prefill sizes, over one weight (they are compute-bound): Linear.plain_from is the smallest size from
+which the plain weight stays faster. Both are cached in matmul_choice.json
+(nanoserve.model.matmul_choice) under the CPU, thread count, dtype and shape. "fixed" keeps batch 1's
+layout at every size.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from nanoserve.model.kernels import cpu_identity, library_name
@@ -31,6 +37,7 @@ logger = logging.getLogger(__name__)
 BATCH_HINTS = (1, 32)
 """The layouts tried: oneDNN's for these batch sizes (the first is the "fixed" one)."""
 STEP_SIZES = (1, 16, 64)
+PREFILL_STEP_SIZES = (128, 256, 512)
 PASSES = 3
 STREAMED_BYTES = 256 << 20
 """Weights of a shape timed per pass, up to this many bytes: enough to leave the caches, little enough
@@ -38,9 +45,8 @@ that two packed copies of them fit beside a large model."""
 
 
 def pack_key(shape: tuple[int, int], dtype: torch.dtype) -> str:
-    return (
-        f"{library_name(cpu_identity())} pack {torch.get_num_threads()} threads {dtype} {shape[0]}x{shape[1]}"
-    )
+    threads = torch.get_num_threads()
+    return f"{library_name(cpu_identity())} layout {threads} threads {dtype} {shape[0]}x{shape[1]}"
 
 
 def best_hint(times: dict[int, dict[int, float]]) -> int:
@@ -51,35 +57,78 @@ def best_hint(times: dict[int, dict[int, float]]) -> int:
     return min(times, key=lambda hint: sum(times[hint][size] / fastest[size] for size in sizes))
 
 
-def _time(packed: Sequence[Tensor], x: Tensor) -> float:
+def plain_from(packed: dict[int, float], plain: dict[int, float]) -> int:
+    """Step size -> seconds for the packed and the plain weight: the smallest size from which the plain
+    one is faster at it and at every larger size; sys.maxsize where it is not faster at the largest."""
+    start = sys.maxsize
+    for size in sorted(plain, reverse=True):
+        if plain[size] >= packed[size]:
+            break
+        start = size
+    return start
+
+
+def _time(matmul: Callable[[Tensor, Tensor], Tensor], weights: Sequence[Tensor], x: Tensor) -> float:
     start = time.perf_counter()
-    for weight in packed:
-        packed_linear(x, weight, None)
+    for weight in weights:
+        matmul(x, weight)
     return time.perf_counter() - start
 
 
-def measure_times(weights: Sequence[Tensor]) -> dict[int, dict[int, float]]:
-    """Batch hint -> step size -> the best pass's seconds over the (first STREAMED_BYTES of) weights."""
-    count = 1
-    while count < len(weights) and sum(w.nbytes for w in weights[: count + 1]) <= STREAMED_BYTES:
-        count += 1
-    packed = {hint: [pack_weight(w, hint) for w in weights[:count]] for hint in BATCH_HINTS}
+def _packed(x: Tensor, weight: Tensor) -> Tensor:
+    return packed_linear(x, weight, None)
+
+
+def _best_of_passes(candidates: dict, sizes: Sequence[int], in_features: int, dtype: torch.dtype) -> dict:
+    """candidates: name -> (matmul, weights); name -> step size -> the best pass's seconds."""
     generator = torch.Generator().manual_seed(0)  # the engine's own random state stays as it was
-    times: dict[int, dict[int, float]] = {hint: {} for hint in BATCH_HINTS}
+    times: dict = {name: {} for name in candidates}
     with torch.inference_mode():
-        for size in STEP_SIZES:
-            x = torch.randn(size, weights[0].shape[1], generator=generator).to(weights[0].dtype)
-            for hint in BATCH_HINTS:
-                _time(packed[hint], x)  # oneDNN builds its kernel for a new size
+        for size in sizes:
+            x = torch.randn(size, in_features, generator=generator).to(dtype)
+            for matmul, weights in candidates.values():
+                _time(matmul, weights, x)  # oneDNN builds its kernel for a new size
             for _ in range(PASSES):
-                for hint in BATCH_HINTS:
-                    elapsed = _time(packed[hint], x)
-                    times[hint][size] = min(times[hint].get(size, elapsed), elapsed)
+                for name, (matmul, weights) in candidates.items():
+                    elapsed = _time(matmul, weights, x)
+                    times[name][size] = min(times[name].get(size, elapsed), elapsed)
     return times
 
 
-def choose_batch_hints(weights_by_shape: dict[tuple[int, int], list[Tensor]]) -> dict[tuple[int, int], int]:
-    """Each shape's batch hint for pack_weight, from the cache or measured (then cached)."""
+def measure_layout(weights: Sequence[Tensor], prefill: bool = True) -> dict:
+    """The entry cached for a shape: {"batch_hint", "plain_from", "times"} (times: the decode sizes'
+    per hint, the prefill sizes' of the winner and of the plain weight; prefill False: a weight that
+    never sees prefill-sized steps, whose plain_from is left at sys.maxsize)."""
+    count = 1
+    while count < len(weights) and sum(w.nbytes for w in weights[: count + 1]) <= STREAMED_BYTES:
+        count += 1
+    in_features, dtype = weights[0].shape[1], weights[0].dtype
+    packed = {hint: [pack_weight(w, hint) for w in weights[:count]] for hint in BATCH_HINTS}
+    by_hint = _best_of_passes(
+        {hint: (_packed, packed[hint]) for hint in BATCH_HINTS}, STEP_SIZES, in_features, dtype
+    )
+    hint = best_hint(by_hint)
+    if not prefill:
+        return {"batch_hint": hint, "plain_from": sys.maxsize, "times": {"decode": by_hint}}
+    large = _best_of_passes(
+        {"packed": (_packed, packed[hint][:1]), "plain": (F.linear, weights[:1])},
+        PREFILL_STEP_SIZES,
+        in_features,
+        dtype,
+    )
+    return {
+        "batch_hint": hint,
+        "plain_from": plain_from(large["packed"], large["plain"]),
+        "times": {"decode": by_hint, "prefill": large},
+    }
+
+
+def choose_layouts(
+    weights_by_shape: dict[tuple[int, int], list[Tensor]],
+    decode_only: frozenset[tuple[int, int]] = frozenset(),
+) -> dict[tuple[int, int], dict]:
+    """Each shape's entry ({"batch_hint", "plain_from", ...}), from the cache or measured (then cached);
+    decode_only: shapes measured at decode sizes only (see measure_layout)."""
     path = cache_file()
     cached = read_cache(path)
     keys = {shape: pack_key(shape, weights[0].dtype) for shape, weights in weights_by_shape.items()}
@@ -87,12 +136,11 @@ def choose_batch_hints(weights_by_shape: dict[tuple[int, int], list[Tensor]]) ->
     if missing:
         start = time.perf_counter()
         for shape in missing:
-            times = measure_times(weights_by_shape[shape])
-            cached[keys[shape]] = {"batch_hint": best_hint(times), "times": times}
+            cached[keys[shape]] = measure_layout(weights_by_shape[shape], shape not in decode_only)
         logger.info(
-            "measured the packed layout of %d weight shapes in %.1f s",
+            "measured the layout of %d bf16 weight shapes in %.1f s",
             len(missing),
             time.perf_counter() - start,
         )
         write_cache(path, read_cache(path) | {keys[shape]: cached[keys[shape]] for shape in missing})
-    return {shape: cached[key]["batch_hint"] for shape, key in keys.items()}
+    return {shape: cached[key] for shape, key in keys.items()}

@@ -1,9 +1,11 @@
-"""The packed layout of oneDNN's bf16 weights, chosen per CPU and shape (nanoserve/model/pack_choice.py):
-the winner read off measured times, the cache, the fixed rule, and the same products in every layout."""
+"""The layout of oneDNN's bf16 weights, chosen per CPU and shape (nanoserve/model/pack_choice.py): the
+winners read off measured times, the cache, the fixed rule, the same products in every layout, and the
+plain weight taking the steps from plain_from."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 from quality import CPU
 
 from nanoserve.model import pack_choice
+from nanoserve.model.layers import linear
 from nanoserve.model.layers.linear import Linear, cpu_prepack_supported, pack_weight, packed_linear
 from nanoserve.model.loader import load_model, load_model_config
 
@@ -23,6 +26,16 @@ def test_winner_is_the_lowest_total_relative_to_the_fastest_at_each_size():
     # hint 1 wins small steps by 10 %, hint 32 the 64-row step by 25 %: relative totals 2.1 against 2.33
     assert pack_choice.best_hint({1: {1: 1.0, 64: 2.0}, 32: {1: 1.1, 64: 1.5}}) == 32
     assert pack_choice.best_hint({1: {1: 1.0, 64: 1.6}, 32: {1: 1.5, 64: 1.5}}) == 1
+
+
+def test_plain_weight_from_the_size_where_it_stays_faster():
+    packed = {128: 1.0, 256: 2.0, 512: 4.0}
+    assert pack_choice.plain_from(packed, {128: 1.1, 256: 1.9, 512: 3.5}) == 256
+    assert pack_choice.plain_from(packed, {128: 0.9, 256: 2.1, 512: 3.5}) == 512, (
+        "a fast point before a slow one"
+    )
+    assert pack_choice.plain_from(packed, {128: 0.9, 256: 1.9, 512: 3.9}) == 128
+    assert pack_choice.plain_from(packed, {128: 0.9, 256: 1.9, 512: 4.1}) == sys.maxsize
 
 
 def test_every_layout_gives_the_products_of_the_plain_weight():
@@ -49,16 +62,18 @@ def _bf16_model(path: str, choice: str):
 
 def test_measured_once_then_read_from_the_cache(tiny_gqa_dir, choice_file, monkeypatch):
     model = _bf16_model(str(tiny_gqa_dir), "auto")
-    entries = {key: entry for key, entry in json.loads(choice_file.read_text()).items() if " pack " in key}
+    entries = {key: entry for key, entry in json.loads(choice_file.read_text()).items() if " layout " in key}
     shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)}
     shapes.add(tuple(model.embed_tokens.weight.shape))  # the tied lm_head
     assert len(entries) == len(shapes)
     assert {entry["batch_hint"] for entry in entries.values()} <= set(pack_choice.BATCH_HINTS)
+    head = entries[pack_choice.pack_key(tuple(model.embed_tokens.weight.shape), torch.bfloat16)]
+    assert head["plain_from"] == sys.maxsize and "prefill" not in head["times"]
 
-    def no_measuring(weights):
+    def no_measuring(weights, prefill=True):
         raise AssertionError(f"measured {tuple(weights[0].shape)} again")
 
-    monkeypatch.setattr(pack_choice, "measure_times", no_measuring)
+    monkeypatch.setattr(pack_choice, "measure_layout", no_measuring)
     _bf16_model(str(tiny_gqa_dir), "auto")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # another thread count splits differently
     with pytest.raises(AssertionError, match="measured"):
@@ -80,16 +95,29 @@ def test_cached_layout_is_the_one_packed_and_fixed_measures_nothing(tiny_gqa_dir
 
     model = _bf16_model(str(tiny_gqa_dir), "fixed")
     qkv_shape = tuple(model.layers[0].self_attn.qkv_proj.weight.shape)
-    cached = {pack_choice.pack_key(shape, torch.bfloat16): {"batch_hint": 1, "times": {}} for shape in hints}
-    cached[pack_choice.pack_key(qkv_shape, torch.bfloat16)]["batch_hint"] = 32
+    cached = {
+        pack_choice.pack_key(shape, torch.bfloat16): {"batch_hint": 1, "plain_from": sys.maxsize, "times": {}}
+        for shape in hints
+    }
+    cached[pack_choice.pack_key(qkv_shape, torch.bfloat16)] |= {"batch_hint": 32, "plain_from": 128}
     embed_shape = tuple(model.embed_tokens.weight.shape)
-    cached[pack_choice.pack_key(embed_shape, torch.bfloat16)] = {"batch_hint": 1, "times": {}}
+    cached[pack_choice.pack_key(embed_shape, torch.bfloat16)] = {"batch_hint": 1, "plain_from": sys.maxsize}
     choice_file.write_text(json.dumps(cached))
     hints.clear()
     model = _bf16_model(str(tiny_gqa_dir), "auto")
     assert hints.pop(qkv_shape) == {32}
     assert all(found == {1} for found in hints.values())
     qkv = model.layers[0].self_attn.qkv_proj
-    x = torch.randn(64, qkv.in_features).bfloat16()
+    assert qkv.plain_from == 128 and model.layers[0].mlp.down_proj.plain_from == sys.maxsize
+    calls = []
+    monkeypatch.setattr(linear, "packed_linear", lambda *args: calls.append("packed") or packed_linear(*args))
+    plain = F.linear
+    monkeypatch.setattr(linear.F, "linear", lambda *args: calls.append("plain") or plain(*args))
     with torch.inference_mode():
-        torch.testing.assert_close(qkv(x), F.linear(x, qkv.weight), rtol=1e-2, atol=1e-2)
+        for rows in (127, 128):
+            x = torch.randn(rows, qkv.in_features).bfloat16()
+            out = qkv(x)
+            torch.testing.assert_close(
+                out, (x.float() @ qkv.weight.float().T).bfloat16(), rtol=1e-2, atol=1e-2
+            )
+    assert calls == ["packed", "plain"]

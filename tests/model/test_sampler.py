@@ -51,7 +51,14 @@ def test_greedy_picks_the_first_of_tied_maxima_anywhere_in_the_row(kernels, voca
     """The maximum's search runs 64 tokens at a time, then token by token over the rest of the row."""
     logits = (torch.randn(6, vocab, generator=torch.Generator().manual_seed(0)) * 3).bfloat16().float()
     peak = logits.max() + 1
-    places = [(0, 0), (1, vocab - 1), (2, max(vocab // 64 * 64 - 1, 2)), (3, vocab // 2), (4, vocab // 3), (5, 1)]
+    places = [
+        (0, 0),
+        (1, vocab - 1),
+        (2, max(vocab // 64 * 64 - 1, 2)),
+        (3, vocab // 2),
+        (4, vocab // 3),
+        (5, 1),
+    ]
     for row, column in places:
         logits[row, column] = peak
     logits[4, vocab - 2] = peak  # tied with an earlier one: the first wins, as in torch.argmax

@@ -10,6 +10,7 @@ subclasses it and builds `self.layers`.
 from __future__ import annotations
 
 import functools
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -31,7 +32,7 @@ from nanoserve.model.matmul_choice import (
     choose_max_tokens,
     shape_key,
 )
-from nanoserve.model.pack_choice import choose_batch_hints
+from nanoserve.model.pack_choice import choose_layouts
 from nanoserve.model.quant import (
     LM_HEAD_QUANT_MAX_ROWS,
     GroupCodes,
@@ -135,17 +136,24 @@ class CausalLM(nn.Module):
         shape's layout: measured with matmul_choice "auto", else batch 1's (nanoserve.model.pack_choice)."""
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         weights = [module.weight for module in linears]
+        embed = self.embed_tokens.weight
         if self.lm_head is None:
-            weights.append(self.embed_tokens.weight)
+            weights.append(embed)
         by_shape: dict[tuple[int, int], list[Tensor]] = {}
         for weight in weights:
             by_shape.setdefault((weight.shape[0], weight.shape[1]), []).append(weight)
-        hints = choose_batch_hints(by_shape) if matmul_choice == "auto" else dict.fromkeys(by_shape, 1)
+        # the tied lm_head's steps are the sampled rows: never prefill-sized
+        head = frozenset() if self.lm_head is not None else frozenset({(embed.shape[0], embed.shape[1])})
+        fixed = {"batch_hint": 1, "plain_from": sys.maxsize}
+        layouts = (
+            choose_layouts(by_shape, head) if matmul_choice == "auto" else dict.fromkeys(by_shape, fixed)
+        )
         for module in linears:
-            module.prepack(hints[(module.weight.shape[0], module.weight.shape[1])])
+            layout = layouts[(module.weight.shape[0], module.weight.shape[1])]
+            module.prepack(layout["batch_hint"])
+            module.plain_from = layout["plain_from"]
         if self.lm_head is None:
-            embed = self.embed_tokens.weight
-            self.packed_embed = pack_weight(embed, hints[(embed.shape[0], embed.shape[1])])
+            self.packed_embed = pack_weight(embed, layouts[(embed.shape[0], embed.shape[1])]["batch_hint"])
 
     def use_cpu_kernels(self, kernels: ModuleType, fused_decode: bool = True) -> None:
         """RMSNorm and the MLP's activation in C++; attention takes its kernels from AttentionMetadata.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -37,6 +39,9 @@ class Linear(nn.Linear):
     """
 
     packed: Tensor | None = None
+    plain_from: int = sys.maxsize
+    """Steps of at least this many rows multiply the plain weight, which oneDNN lays out for their size on
+    every call: for compute-bound prefill steps that can beat the packed layout (nanoserve.model.pack_choice)."""
     quantized: QuantizedWeight | None = None
     """Used for steps of up to quantized.max_tokens rows (see nanoserve.model.quant)."""
 
@@ -58,6 +63,6 @@ class Linear(nn.Linear):
 
     def unquantized(self, input: Tensor, with_bias: bool = True) -> Tensor:
         bias = self.bias if with_bias else None
-        if self.packed is not None:
+        if self.packed is not None and input.shape[0] < self.plain_from:
             return packed_linear(input, self.packed, bias)
         return F.linear(input, self.weight, bias)
