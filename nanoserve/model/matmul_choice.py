@@ -83,7 +83,8 @@ def max_tokens_from_ratios(ratios: dict[int, float]) -> int:
     return sizes[first_slower - 1] if first_slower > 0 else 0
 
 
-def _time(fns: Sequence[Callable[[Tensor], Tensor]], x: Tensor) -> float:
+def time_calls(fns: Sequence[Callable[[Tensor], Tensor]], x: Tensor) -> float:
+    """Seconds to call every fn on x, one after another (a pass over a shape's weights)."""
     start = time.perf_counter()
     for fn in fns:
         fn(x)
@@ -103,8 +104,11 @@ def measure_ratios(shape: WeightShape) -> dict[int, float]:
                 quantized = [w.matmul for w in shape.quantized[:count]]
                 unquantized = shape.unquantized[:count]
                 x = torch.randn(size, shape.in_features, generator=generator).to(shape.dtype)
-                _time(quantized, x), _time(unquantized, x)  # oneDNN builds its kernel for a new size
-                times = [(_time(quantized, x), _time(unquantized, x)) for _ in range(PASSES)]
+                (
+                    time_calls(quantized, x),
+                    time_calls(unquantized, x),
+                )  # oneDNN builds its kernel for a new size
+                times = [(time_calls(quantized, x), time_calls(unquantized, x)) for _ in range(PASSES)]
                 ratios[size] = min(q for q, _ in times) / min(u for _, u in times)
     finally:
         torch.set_num_threads(threads)

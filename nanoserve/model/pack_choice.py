@@ -19,6 +19,7 @@ layout at every size.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from nanoserve.model.kernels import cpu_identity, library_name
 from nanoserve.model.layers.linear import pack_weight, packed_linear
-from nanoserve.model.matmul_choice import cache_file, read_cache, write_cache
+from nanoserve.model.matmul_choice import cache_file, read_cache, time_calls, write_cache
 
 logger = logging.getLogger(__name__)
 
@@ -68,29 +69,22 @@ def plain_from(packed: dict[int, float], plain: dict[int, float]) -> int:
     return start
 
 
-def _time(matmul: Callable[[Tensor, Tensor], Tensor], weights: Sequence[Tensor], x: Tensor) -> float:
-    start = time.perf_counter()
-    for weight in weights:
-        matmul(x, weight)
-    return time.perf_counter() - start
-
-
-def _packed(x: Tensor, weight: Tensor) -> Tensor:
-    return packed_linear(x, weight, None)
+def _packed_matmul(packed: Tensor) -> Callable[[Tensor], Tensor]:
+    return functools.partial(packed_linear, packed=packed, bias=None)
 
 
 def _best_of_passes(candidates: dict, sizes: Sequence[int], in_features: int, dtype: torch.dtype) -> dict:
-    """candidates: name -> (matmul, weights); name -> step size -> the best pass's seconds."""
+    """candidates: name -> the matmuls of one pass; name -> step size -> the best pass's seconds."""
     generator = torch.Generator().manual_seed(0)  # the engine's own random state stays as it was
     times: dict = {name: {} for name in candidates}
     with torch.inference_mode():
         for size in sizes:
             x = torch.randn(size, in_features, generator=generator).to(dtype)
-            for matmul, weights in candidates.values():
-                _time(matmul, weights, x)  # oneDNN builds its kernel for a new size
+            for matmuls in candidates.values():
+                time_calls(matmuls, x)  # oneDNN builds its kernel for a new size
             for _ in range(PASSES):
-                for name, (matmul, weights) in candidates.items():
-                    elapsed = _time(matmul, weights, x)
+                for name, matmuls in candidates.items():
+                    elapsed = time_calls(matmuls, x)
                     times[name][size] = min(times[name].get(size, elapsed), elapsed)
     return times
 
@@ -103,15 +97,13 @@ def measure_layout(weights: Sequence[Tensor], prefill: bool = True) -> dict:
     while count < len(weights) and sum(w.nbytes for w in weights[: count + 1]) <= STREAMED_BYTES:
         count += 1
     in_features, dtype = weights[0].shape[1], weights[0].dtype
-    packed = {hint: [pack_weight(w, hint) for w in weights[:count]] for hint in BATCH_HINTS}
-    by_hint = _best_of_passes(
-        {hint: (_packed, packed[hint]) for hint in BATCH_HINTS}, STEP_SIZES, in_features, dtype
-    )
+    packed = {hint: [_packed_matmul(pack_weight(w, hint)) for w in weights[:count]] for hint in BATCH_HINTS}
+    by_hint = _best_of_passes(packed, STEP_SIZES, in_features, dtype)
     hint = best_hint(by_hint)
     if not prefill:
         return {"batch_hint": hint, "plain_from": sys.maxsize, "times": {"decode": by_hint}}
     large = _best_of_passes(
-        {"packed": (_packed, packed[hint][:1]), "plain": (F.linear, weights[:1])},
+        {"packed": packed[hint][:1], "plain": [functools.partial(F.linear, weight=weights[0])]},
         PREFILL_STEP_SIZES,
         in_features,
         dtype,
