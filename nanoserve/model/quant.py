@@ -9,9 +9,9 @@ fixed choice, the limits below.
 Both formats take groups of 32 inputs with a float16 scale and offset each (GroupCodes), which holds
 llama.cpp's Q4_0, Q4_1 and Q8_0 blocks exactly: a GGUF file's codes load as they are, and the bundled
 Q4_1 model requantizes from bf16 to the values it was shipped with. Two kernels run them:
-- the C++ quant_matmul (AVX-512 VNNI), which also quantizes activations to int8 per group of 32, 4- or
-  8-bit weight codes, faster than bf16 at every step size measured; the lm_head gets 8-bit codes
-  (logits are where 4-bit error shows most);
+- the C++ quant_matmul (AVX-512 VNNI, or AVX2 where the CPU has no AVX-512), which also quantizes
+  activations to int8 per group of 32, 4- or 8-bit weight codes, faster than bf16 at every step size
+  measured without AMX; the lm_head gets 8-bit codes (logits are where 4-bit error shows most);
 - torch's CPU int4 kernel (bf16 activations) where the C++ kernels are not available: int4 only.
 """
 
@@ -123,7 +123,7 @@ def quantization_error(method: str, device: torch.device, kernels: ModuleType | 
     if method in ("int4", "auto") and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return None  # auto: a file's 8-bit codes then stay unquantized
     return (
-        f"quantization {method!r} needs the C++ CPU kernels with AVX-512 VNNI (not available here: "
+        f"quantization {method!r} needs the C++ CPU kernels with AVX-512 VNNI or AVX2 (not available here: "
         "no compiler, --cpu-kernels off, or an older CPU)"
         + (" or torch's CPU int4 kernel." if method == "int4" else ".")
     )

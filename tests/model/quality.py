@@ -8,7 +8,7 @@ import math
 import torch
 from paged_driver import PagedDriver
 
-from nanoserve.model.layers.linear import Linear
+from nanoserve.model.layers.linear import Linear, cpu_prepack_supported
 from nanoserve.model.loader import load_model, load_model_config
 from nanoserve.model.quant import GROUP_SIZE
 
@@ -31,7 +31,8 @@ def bf16_model(path: str, method: str, kernels, snap: bool = False):
             for module in layer.modules():
                 if isinstance(module, Linear):
                     module.weight.copy_(on_grid(module.weight, 4))
-        model.prepack_for_cpu()
+        if cpu_prepack_supported(torch.bfloat16, CPU):  # the packed copies, of the weights as loaded
+            model.prepack_for_cpu()
     if method != "none":
         model.quantize(method, kernels)
     return model

@@ -24,7 +24,7 @@ BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 def kernels():
     module = cpu_kernels()
     if not fast_kernels(module):
-        pytest.skip("the C++ quant_matmul (AVX-512 VNNI) is not available here")
+        pytest.skip("the C++ quant_matmul (AVX-512 VNNI or AVX2) is not available here")
     return module
 
 

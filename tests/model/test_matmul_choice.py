@@ -30,7 +30,7 @@ def test_limit_is_the_last_size_before_the_unquantized_matmul_stays_ahead():
 def kernels():
     module = cpu_kernels()
     if not fast_kernels(module):
-        pytest.skip("the C++ quant_matmul (AVX-512 VNNI) is not available here")
+        pytest.skip("the C++ quant_matmul (AVX-512 VNNI or AVX2) is not available here")
     return module
 
 

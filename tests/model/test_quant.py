@@ -37,7 +37,7 @@ def kernels():
 
 def needs_quant_matmul(kernels):
     if kernels is None:
-        pytest.skip("the C++ quant_matmul (AVX-512 VNNI) is not available here")
+        pytest.skip("the C++ quant_matmul (AVX-512 VNNI or AVX2) is not available here")
 
 
 def int8_activations(x: torch.Tensor) -> torch.Tensor:

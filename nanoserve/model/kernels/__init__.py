@@ -33,7 +33,10 @@ SOURCES = [
         "sampling.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "vec16.h", "work_split.h")]
+HEADERS = [
+    Path(__file__).with_name(name)
+    for name in ("kernels.h", "vec16.h", "work_split.h", "quant_avx2.h", "quant_avx512.h")
+]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 """-ffast-math lets the compiler vectorize the float reductions (sums in any order)."""
 

@@ -1,0 +1,143 @@
+// quant_matmul's inner loops on AVX2 (no VNNI; AMD Zen 1-3, Intel before Ice Lake). vpmaddubsw multiplies
+// 32 unsigned codes by 32 signed activations and adds neighbours into 16-bit sums, vpmaddwd widens those
+// to one int32 per column. A register holds 8 of a tile's 16 columns, so a tile is two passes of 8.
+//
+// 4 bits: a pair of products is at most 2 * 15 * 127, so a whole group's eight quads add up in 16 bits
+// (8 * 3810 < 32767) and are widened once. 8 bits: code * 127 does not fit, so each code is taken as
+// code - 128 in [-128, 127], its sign moved onto the activation (vpsignb) and its magnitude multiplied
+// unsigned (pairs at most 2 * 128 * 127); the 128 comes back through the offset: w = (code - 128) *
+// scale + (low + 128 * scale).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace quant_isa {
+
+constexpr int64_t GROUP = 32;
+constexpr int64_t TILE = 16;
+constexpr int64_t HALF = 8;  // columns per register
+constexpr int MAX_ROWS = 4;  // rows of x per pass: their sums and accumulators fill the 16 registers
+
+inline __m256 half_to_float(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline void store(float* out, __m256 values) { _mm256_storeu_ps(out, values); }
+
+inline void store(at::BFloat16* out, __m256 values) {  // round to nearest even, as torch does
+  const __m256i bits = _mm256_castps_si256(values);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), words);
+}
+
+inline __m256i broadcast_quad(const int8_t* x, int q) {  // inputs 4q..4q+3 of a group, in every int32
+  int32_t quad;
+  std::memcpy(&quad, x + 4 * q, sizeof quad);
+  return _mm256_set1_epi32(quad);
+}
+
+// Each row's int32 dot products of one group with 8 columns, codes at `c` (this half of each quad vector).
+template <int BITS, int ROWS>
+inline void group_dots(const uint8_t* c, const int8_t* const x[ROWS], __m256i dot[ROWS]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (BITS == 4) {
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    __m256i sums[ROWS];
+    for (int r = 0; r < ROWS; ++r) sums[r] = _mm256_setzero_si256();
+    for (int v = 0; v < 4; ++v) {  // quad v in the low nibbles, quad v + 4 in the high ones
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * v));
+      const __m256i low = _mm256_and_si256(packed, nibble);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+      for (int r = 0; r < ROWS; ++r) {
+        sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(low, broadcast_quad(x[r], v)));
+        sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(high, broadcast_quad(x[r], v + 4)));
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) dot[r] = _mm256_madd_epi16(sums[r], ones);
+  } else {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int r = 0; r < ROWS; ++r) dot[r] = _mm256_setzero_si256();
+    for (int q = 0; q < 8; ++q) {
+      const __m256i centred = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * q)), flip);
+      const __m256i magnitude = _mm256_abs_epi8(centred);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i signed_x = _mm256_sign_epi8(broadcast_quad(x[r], q), centred);
+        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+      }
+    }
+  }
+}
+
+// out columns of one tile for ROWS rows of quantized x, 8 columns at a time (the layout's 64-byte quad
+// vectors hold columns 0-7 in their first 32 bytes, 8-15 in the second).
+template <int BITS, int ROWS, typename T>
+void tile_rows(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
+               const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile) {
+  const int64_t groups = k / GROUP, group_bytes = GROUP * TILE * BITS / 8;
+  for (int64_t half = 0; half < TILE / HALF; ++half) {
+    const uint8_t* c = codes + tile * groups * group_bytes + 32 * half;
+    const at::Half* s = scales + tile * groups * 2 * TILE + HALF * half;
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g, c += group_bytes, s += 2 * TILE) {
+      const int8_t* x[ROWS];
+      for (int r = 0; r < ROWS; ++r) x[r] = xq + r * k + g * GROUP;
+      __m256i dot[ROWS];
+      group_dots<BITS, ROWS>(c, x, dot);
+      const __m256 w_scale = half_to_float(s);
+      __m256 w_low = half_to_float(s + TILE);
+      if constexpr (BITS == 8) w_low = _mm256_fmadd_ps(w_scale, _mm256_set1_ps(128.f), w_low);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 scale = _mm256_mul_ps(w_scale, _mm256_set1_ps(x_scales[r * groups + g]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), scale, acc[r]);
+        acc[r] = _mm256_fmadd_ps(w_low, _mm256_set1_ps(x_sums[r * groups + g]), acc[r]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) store(out + r * n + tile * TILE + HALF * half, acc[r]);
+  }
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bf16 is the high half of a float32
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// One group of 32 activations to int8 (scale = max |x| / 127), with its scale and the sum of its quantized
+// values (times the scale): the same values as the AVX-512 path, four vectors a group.
+template <typename T>
+inline void quantize_group(const T* x, int8_t* xq, float* scale, float* sum) {
+  const __m256 magnitude_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4];
+  __m256 max_abs = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(x + 8 * i);
+    max_abs = _mm256_max_ps(max_abs, _mm256_and_ps(v[i], magnitude_bits));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(max_abs), _mm256_extractf128_ps(max_abs, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  *scale = std::max(_mm_cvtss_f32(m) / 127.f, 1e-30f);
+  const __m256 inverse = _mm256_set1_ps(1.f / *scale);
+  __m256i q[4];  // to the nearest integer, ties to even (the default rounding mode), as std::nearbyint
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  // the packs work within 128-bit lanes, leaving the 4-byte quads in the order 0 4 1 5 2 6 3 7
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+  *sum = _mm_cvtsi128_si32(t) * *scale;
+}
+
+}  // namespace quant_isa

@@ -1,0 +1,99 @@
+// quant_matmul's inner loops on AVX-512 VNNI: a tile's 16 columns in one register, one vpdpbusd per quad of
+// inputs (64 multiply-adds).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "kernels.h"
+
+namespace quant_isa {
+
+constexpr int64_t GROUP = 32;
+constexpr int64_t TILE = 16;
+constexpr int MAX_ROWS = 8;  // rows of x per pass over a tile, their sums in registers (16 spill)
+
+inline __m512 half_to_float(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The codes of one group of one tile as 8 vectors of u8 [16 columns, 4 inputs], quad by quad.
+template <int BITS>
+inline void load_group(const uint8_t* codes, __m512i quads[8]) {
+  if constexpr (BITS == 4) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    for (int v = 0; v < 4; ++v) {
+      const __m512i packed = _mm512_loadu_si512(codes + 64 * v);
+      quads[v] = _mm512_and_si512(packed, nibble);
+      quads[v + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    }
+  } else {
+    for (int v = 0; v < 8; ++v) quads[v] = _mm512_loadu_si512(codes + 64 * v);
+  }
+}
+
+inline void store(float* out, __m512 values) { _mm512_storeu_ps(out, values); }
+
+inline void store(at::BFloat16* out, __m512 values) {  // round to nearest even, as torch does
+  const __m512i bits = _mm512_castps_si512(values);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// out columns of one tile for ROWS rows of quantized x. The rows' dot products advance together, quad by
+// quad: one row's 8 dependent VNNI steps alone would wait on each other's latency. Each activation quad
+// is a broadcast memory operand of the VNNI instruction itself (GCC does not fold the broadcast).
+template <int BITS, int ROWS, typename T>
+void tile_rows(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
+               const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile) {
+  const int64_t groups = k / GROUP, group_bytes = GROUP * TILE * BITS / 8;
+  const uint8_t* c = codes + tile * groups * group_bytes;
+  const at::Half* s = scales + tile * groups * 2 * TILE;
+  __m512 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, c += group_bytes, s += 2 * TILE) {
+    __m512i quads[8];
+    load_group<BITS>(c, quads);
+    __m512i dot[ROWS];
+    for (int r = 0; r < ROWS; ++r) dot[r] = _mm512_setzero_si512();
+    for (int q = 0; q < 8; ++q) {
+      for (int r = 0; r < ROWS; ++r) {
+        const int32_t* xg = reinterpret_cast<const int32_t*>(xq + r * k + g * GROUP);  // 4 inputs per int32
+        __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(dot[r]) : "v"(quads[q]), "m"(xg[q]));
+      }
+    }
+    const __m512 w_scale = half_to_float(s), w_low = half_to_float(s + TILE);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 scale = _mm512_mul_ps(w_scale, _mm512_set1_ps(x_scales[r * groups + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(w_low, _mm512_set1_ps(x_sums[r * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) store(out + r * n + tile * TILE, acc[r]);
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // bf16 is the high half of a float32
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// One group of 32 activations to int8 (scale = max |x| / 127), with its scale and the sum of its quantized
+// values (times the scale): two vectors a group.
+template <typename T>
+inline void quantize_group(const T* x, int8_t* xq, float* scale, float* sum) {
+  const __m512 low = load16(x), high = load16(x + 16);
+  const float max_abs = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+  *scale = std::max(max_abs / 127.f, 1e-30f);
+  const __m512 inverse = _mm512_set1_ps(1.f / *scale);
+  // to the nearest integer, ties to even (the default rounding mode), as std::nearbyint
+  const __m512i q_low = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));
+  const __m512i q_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(xq), _mm512_cvtepi32_epi8(q_low));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 16), _mm512_cvtepi32_epi8(q_high));
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high)) * *scale;
+}
+
+}  // namespace quant_isa
