@@ -476,43 +476,63 @@ torch::Tensor act_and_mul(torch::Tensor x) {
 torch::Tensor silu_and_mul(torch::Tensor x) { return act_and_mul<silu>(x); }
 torch::Tensor gelu_tanh_and_mul(torch::Tensor x) { return act_and_mul<gelu_tanh>(x); }
 
-namespace raw_bf16 {
+namespace raw {
 
-void rms_norm(const bf16* x, const bf16* weight, bf16* out, int64_t rows, int64_t hidden, float eps) {
+template <typename T>
+void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
   rms_norm_rows(x, weight, out, rows, hidden, eps);
 }
 
-void norm_heads(bf16* qkv, const bf16* q_norm, const bf16* k_norm, int64_t tokens, int64_t num_heads,
-                int64_t num_kv_heads, int64_t head_dim, float eps) {
+template <typename T>
+void norm_heads(T* qkv, const T* q_norm, const T* k_norm, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
+                int64_t head_dim, float eps) {
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
   split_work(0, tokens, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      bf16* q = qkv + t * row;
+      T* q = qkv + t * row;
       norm_rows(q, q_norm, q, num_heads, head_dim, eps);
       norm_rows(q + num_heads * head_dim, k_norm, q + num_heads * head_dim, num_kv_heads, head_dim, eps);
     }
   });
 }
 
-void add(const bf16* a, const bf16* b, bf16* out, int64_t n) { add_elements(a, b, out, n); }
+template <typename T>
+void add(const T* a, const T* b, T* out, int64_t n) {
+  add_elements(a, b, out, n);
+}
 
-void add_bias(bf16* x, const bf16* bias, int64_t rows, int64_t width) {
+template <typename T>
+void add_bias(T* x, const T* bias, int64_t rows, int64_t width) {
   split_work(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      for (int64_t i = 0; i < width; ++i) x[r * width + i] = static_cast<bf16>(to_float(x[r * width + i]) + to_float(bias[i]));
+      for (int64_t i = 0; i < width; ++i) x[r * width + i] = static_cast<T>(to_float(x[r * width + i]) + to_float(bias[i]));
   });
 }
 
-void rope_write_kv(const bf16* qkv, const bf16* cos_sin, bf16* q, bf16* cache, const int64_t* slots, int64_t tokens,
+template <typename T>
+void rope_write_kv(const T* qkv, const T* cos_sin, T* q, T* cache, const int64_t* slots, int64_t tokens,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head) {
   rope_rows(qkv, cos_sin, q, cache, slots, tokens, num_heads, num_kv_heads, head_dim, slots_per_head);
 }
 
-void act_and_mul(bool gelu, const bf16* x, bf16* out, int64_t rows, int64_t width) {
-  (gelu ? act_mul_rows<bf16, gelu_tanh> : act_mul_rows<bf16, silu>)(x, out, rows, width);
+template <typename T>
+void act_and_mul(bool gelu, const T* x, T* out, int64_t rows, int64_t width) {
+  (gelu ? act_mul_rows<T, gelu_tanh> : act_mul_rows<T, silu>)(x, out, rows, width);
 }
 
-}  // namespace raw_bf16
+#define NANOSERVE_RAW_KERNELS(T)                                                                                 \
+  template void rms_norm(const T*, const T*, T*, int64_t, int64_t, float);                                       \
+  template void norm_heads(T*, const T*, const T*, int64_t, int64_t, int64_t, int64_t, float);                   \
+  template void add(const T*, const T*, T*, int64_t);                                                            \
+  template void add_bias(T*, const T*, int64_t, int64_t);                                                        \
+  template void rope_write_kv(const T*, const T*, T*, T*, const int64_t*, int64_t, int64_t, int64_t, int64_t,    \
+                              int64_t);                                                                          \
+  template void act_and_mul(bool, const T*, T*, int64_t, int64_t);
+NANOSERVE_RAW_KERNELS(at::BFloat16)
+NANOSERVE_RAW_KERNELS(float)
+#undef NANOSERVE_RAW_KERNELS
+
+}  // namespace raw
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv);

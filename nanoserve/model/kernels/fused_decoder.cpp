@@ -7,9 +7,9 @@
 // Python bindings between the stages (about 330 small ops per step for SmolLM2-135M, as much time as its
 // quantized matmuls at batch 1).
 //
-// A step whose every matmul is quant_matmul (bf16, small batches) runs in one OpenMP region: the threads
-// make the same kernel calls over buffers allocated once per step, each taking its share and meeting the
-// others at a barrier (work_split.h), where kernel after kernel would open a region, wake the threads and
+// A step whose every matmul is quant_matmul (bf16 or float32, small batches) runs in one OpenMP region: the
+// threads make the same kernel calls over buffers allocated once per step, each taking its share and meeting
+// the others at a barrier (work_split.h), where kernel after kernel would open a region, wake the threads and
 // allocate outputs per call (at batch 1 the second thread sat idle for 60 % of the step).
 #include "kernels.h"
 #include "work_split.h"
@@ -61,10 +61,11 @@ struct FusedMatmul {
   bool group_quantized_at(int64_t rows) const { return quantized == "groups" && rows <= max_tokens; }
 
   // x [rows, in_features] -> out [rows, out_features] inside a decode region (group_quantized_at(rows))
-  void into(const at::BFloat16* x, int64_t rows, const QuantScratch& scratch, at::BFloat16* out) const {
-    raw_bf16::quant_matmul(x, rows, weight.size(1), codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), bits,
-                           weight.size(0), scratch, out);
-    if (bias) raw_bf16::add_bias(out, bias->data_ptr<at::BFloat16>(), rows, weight.size(0));
+  template <typename T>
+  void into(const T* x, int64_t rows, const QuantScratch& scratch, T* out) const {
+    raw::quant_matmul(x, rows, weight.size(1), codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), bits,
+                      weight.size(0), scratch, out);
+    if (bias) raw::add_bias(out, bias->data_ptr<T>(), rows, weight.size(0));
   }
 };
 
@@ -89,8 +90,11 @@ class FusedDecoder {
                      const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "FusedDecoder: one KV cache per layer");
     if (one_region && one_region_at(x.size(0)) &&
-        inputs_fit_one_region(x, cos_sin, kv_caches, slot_mapping, block_table, seq_lens))
-      return forward_in_one_region(x, cos_sin, kv_caches, slot_mapping, block_table, seq_lens);
+        inputs_fit_one_region(x, cos_sin, kv_caches, slot_mapping, block_table, seq_lens)) {
+      return x.scalar_type() == at::kBFloat16
+                 ? forward_in_one_region<at::BFloat16>(x, cos_sin, kv_caches, slot_mapping, block_table, seq_lens)
+                 : forward_in_one_region<float>(x, cos_sin, kv_caches, slot_mapping, block_table, seq_lens);
+    }
     at::Tensor h = rms_norm(x, layers_[0].input_norm, eps_);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const FusedLayer& layer = layers_[i];
@@ -110,37 +114,39 @@ class FusedDecoder {
 
   bool one_region = true;  // off: kernel after kernel at every step (the region path's reference in tests)
 
-  // Whether the weights let a step of `rows` rows run in one region: bf16, every matmul quant_matmul at
-  // that size (the region's kernels take raw bf16 pointers and check nothing).
+  // Whether the weights let a step of `rows` rows run in one region: bf16 or float32 throughout, every
+  // matmul quant_matmul at that size (the region's kernels take raw pointers and check nothing).
   bool one_region_at(int64_t rows) const {
-    const auto bf16 = at::kBFloat16;
-    if (!quant_matmul_supported() || final_norm_.scalar_type() != bf16) return false;
+    const auto dtype = final_norm_.scalar_type();
+    if (!quant_matmul_supported() || (dtype != at::kBFloat16 && dtype != at::kFloat)) return false;
     for (const FusedLayer& layer : layers_) {
       for (const FusedMatmul* m : {&layer.qkv, &layer.o_proj, &layer.gate_up, &layer.down})
-        if (!m->group_quantized_at(rows) || (m->bias && m->bias->scalar_type() != bf16)) return false;
-      if (layer.input_norm.scalar_type() != bf16 || (layer.q_norm && layer.q_norm->scalar_type() != bf16)) return false;
+        if (!m->group_quantized_at(rows) || (m->bias && m->bias->scalar_type() != dtype)) return false;
+      if (layer.input_norm.scalar_type() != dtype || layer.post_attention_norm.scalar_type() != dtype ||
+          (layer.q_norm && layer.q_norm->scalar_type() != dtype) || (layer.k_norm && layer.k_norm->scalar_type() != dtype))
+        return false;
     }
     return true;
   }
 
  private:
-  // ... and whether the step's inputs do: bf16 and contiguous
-  static bool inputs_fit_one_region(const at::Tensor& x, const at::Tensor& cos_sin,
-                                    const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
-                                    const at::Tensor& block_table, const at::Tensor& seq_lens) {
-    const auto bf16 = at::kBFloat16;
+  // ... and whether the step's inputs do: the weights' dtype, contiguous
+  bool inputs_fit_one_region(const at::Tensor& x, const at::Tensor& cos_sin, const std::vector<at::Tensor>& kv_caches,
+                             const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                             const at::Tensor& seq_lens) const {
+    const auto dtype = final_norm_.scalar_type();
     for (const at::Tensor& cache : kv_caches)
-      if (cache.scalar_type() != bf16 || !cache.is_contiguous()) return false;
-    return x.scalar_type() == bf16 && x.is_contiguous() && cos_sin.scalar_type() == bf16 && cos_sin.is_contiguous() &&
+      if (cache.scalar_type() != dtype || !cache.is_contiguous()) return false;
+    return x.scalar_type() == dtype && x.is_contiguous() && cos_sin.scalar_type() == dtype && cos_sin.is_contiguous() &&
            slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
            block_table.scalar_type() == at::kInt && block_table.is_contiguous() &&
            seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous();
   }
 
+  template <typename T>
   at::Tensor forward_in_one_region(const at::Tensor& x, const at::Tensor& cos_sin,
                                    const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                                    const at::Tensor& block_table, const at::Tensor& seq_lens) const {
-    using bf16 = at::BFloat16;
     const int64_t rows = x.size(0), hidden = x.size(1), qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_;
     const int64_t intermediate = layers_[0].down.weight.size(1), per_kv = num_heads_ / num_kv_heads_;
     const auto options = x.options();
@@ -162,41 +168,41 @@ class FusedDecoder {
       scratch_floats = std::max(scratch_floats, splits.back().scratch_floats(per_kv, head_dim_));
     }
     std::vector<float> attention_scratch(scratch_floats);
-    const bf16* input = x.data_ptr<bf16>();
-    const bf16* cs = cos_sin.data_ptr<bf16>();
+    const T* input = x.data_ptr<T>();
+    const T* cs = cos_sin.data_ptr<T>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-    bf16 *res = residual.data_ptr<bf16>(), *hn = h.data_ptr<bf16>(), *dl = delta.data_ptr<bf16>();
-    bf16 *qkv_p = qkv.data_ptr<bf16>(), *q_p = q.data_ptr<bf16>(), *att = attended.data_ptr<bf16>();
-    bf16 *gu = gate_up.data_ptr<bf16>(), *ac = act.data_ptr<bf16>();
+    T *res = residual.data_ptr<T>(), *hn = h.data_ptr<T>(), *dl = delta.data_ptr<T>();
+    T *qkv_p = qkv.data_ptr<T>(), *q_p = q.data_ptr<T>(), *att = attended.data_ptr<T>();
+    T *gu = gate_up.data_ptr<T>(), *ac = act.data_ptr<T>();
     const float eps = static_cast<float>(eps_);
-    auto ptr = [](const at::Tensor& t) { return t.data_ptr<bf16>(); };
+    auto ptr = [](const at::Tensor& t) { return t.data_ptr<T>(); };
 
 #pragma omp parallel num_threads(at::get_num_threads())
     {
       DecodeRegion region;
-      const bf16* stream = input;  // the residual stream: the embeddings, then `res`
-      raw_bf16::rms_norm(input, ptr(layers_[0].input_norm), hn, rows, hidden, eps);
+      const T* stream = input;  // the residual stream: the embeddings, then `res`
+      raw::rms_norm(input, ptr(layers_[0].input_norm), hn, rows, hidden, eps);
       for (size_t i = 0; i < layers_.size(); ++i) {
         const FusedLayer& layer = layers_[i];
         const at::Tensor& cache = kv_caches[i];
         layer.qkv.into(hn, rows, scratch, qkv_p);
         if (layer.q_norm && layer.k_norm)
-          raw_bf16::norm_heads(qkv_p, ptr(*layer.q_norm), ptr(*layer.k_norm), rows, num_heads_, num_kv_heads_,
+          raw::norm_heads(qkv_p, ptr(*layer.q_norm), ptr(*layer.k_norm), rows, num_heads_, num_kv_heads_,
                                head_dim_, eps);
-        raw_bf16::rope_write_kv(qkv_p, cs, q_p, ptr(cache), slots, rows, num_heads_, num_kv_heads_, head_dim_,
+        raw::rope_write_kv(qkv_p, cs, q_p, ptr(cache), slots, rows, num_heads_, num_kv_heads_, head_dim_,
                                 cache.size(2) * cache.size(3));
         paged_decode_attention_into(q, cache, block_table, lens, scale_, layer.window, softcap_, splits[i],
                                     attention_scratch.data(), attended);
         layer.o_proj.into(att, rows, scratch, dl);
-        raw_bf16::add(stream, dl, res, rows * hidden);
+        raw::add(stream, dl, res, rows * hidden);
         stream = res;
-        raw_bf16::rms_norm(res, ptr(layer.post_attention_norm), hn, rows, hidden, eps);
+        raw::rms_norm(res, ptr(layer.post_attention_norm), hn, rows, hidden, eps);
         layer.gate_up.into(hn, rows, scratch, gu);
-        raw_bf16::act_and_mul(layer.activation != "silu", gu, ac, rows, intermediate);
+        raw::act_and_mul(layer.activation != "silu", gu, ac, rows, intermediate);
         layer.down.into(ac, rows, scratch, dl);
-        raw_bf16::add(res, dl, res, rows * hidden);
+        raw::add(res, dl, res, rows * hidden);
         const at::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
-        raw_bf16::rms_norm(res, ptr(next_norm), hn, rows, hidden, eps);
+        raw::rms_norm(res, ptr(next_norm), hn, rows, hidden, eps);
       }
     }
     return h;

@@ -61,24 +61,30 @@ struct QuantScratch {
   float* sums;
 };
 
-// The decode step's kernels over raw bf16 buffers, for FusedDecoder's one-region step (work_split.h): the
-// same code as the tensor entry points, without their allocations and checks, so that every thread of
-// the region can call them; the caller checks the shapes.
-namespace raw_bf16 {
-using bf16 = at::BFloat16;
-void rms_norm(const bf16* x, const bf16* weight, bf16* out, int64_t rows, int64_t hidden, float eps);
+// The decode step's kernels over raw bf16 or float32 buffers (T), for FusedDecoder's one-region step
+// (work_split.h): the same code as the tensor entry points, without their allocations and checks, so that
+// every thread of the region can call them; the caller checks the shapes.
+namespace raw {
+template <typename T>
+void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden, float eps);
 // RMSNorm over each query head (q_norm) and key head (k_norm) of qkv [tokens, (H + 2 Hkv) * D], in place
-void norm_heads(bf16* qkv, const bf16* q_norm, const bf16* k_norm, int64_t tokens, int64_t num_heads,
-                int64_t num_kv_heads, int64_t head_dim, float eps);
-void add(const bf16* a, const bf16* b, bf16* out, int64_t n);
+template <typename T>
+void norm_heads(T* qkv, const T* q_norm, const T* k_norm, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
+                int64_t head_dim, float eps);
+template <typename T>
+void add(const T* a, const T* b, T* out, int64_t n);
 // x [rows, width] += bias, rounded as torch's add rounds
-void add_bias(bf16* x, const bf16* bias, int64_t rows, int64_t width);
-void rope_write_kv(const bf16* qkv, const bf16* cos_sin, bf16* q, bf16* cache, const int64_t* slots, int64_t tokens,
+template <typename T>
+void add_bias(T* x, const T* bias, int64_t rows, int64_t width);
+template <typename T>
+void rope_write_kv(const T* qkv, const T* cos_sin, T* q, T* cache, const int64_t* slots, int64_t tokens,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head);
-void act_and_mul(bool gelu, const bf16* x, bf16* out, int64_t rows, int64_t width);
-void quant_matmul(const bf16* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales,
-                  int64_t bits, int64_t n, const QuantScratch& scratch, bf16* out);
-}  // namespace raw_bf16
+template <typename T>
+void act_and_mul(bool gelu, const T* x, T* out, int64_t rows, int64_t width);
+template <typename T>
+void quant_matmul(const T* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales, int64_t bits,
+                  int64_t n, const QuantScratch& scratch, T* out);
+}  // namespace raw
 
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
                           torch::Tensor top_p, torch::Tensor min_p, torch::Tensor uniforms);

@@ -126,11 +126,16 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 #endif
 }
 
-void raw_bf16::quant_matmul(const bf16* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales,
-                            int64_t bits, int64_t n, const QuantScratch& scratch, bf16* out) {
+template <typename T>
+void raw::quant_matmul(const T* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales, int64_t bits,
+                       int64_t n, const QuantScratch& scratch, T* out) {
 #ifdef NANOSERVE_QUANT_MATMUL
   quantize_and_multiply(x, rows, k, codes, scales, bits, n, scratch, out);
 #else
   TORCH_CHECK(false, "quant_matmul needs AVX-512 VNNI or AVX2; check quant_matmul_supported() first");
 #endif
 }
+template void raw::quant_matmul(const at::BFloat16*, int64_t, int64_t, const uint8_t*, const at::Half*, int64_t,
+                                int64_t, const QuantScratch&, at::BFloat16*);
+template void raw::quant_matmul(const float*, int64_t, int64_t, const uint8_t*, const at::Half*, int64_t, int64_t,
+                                const QuantScratch&, float*);
