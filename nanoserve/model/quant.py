@@ -213,8 +213,10 @@ def pack_groups(codes: GroupCodes, kernel: Callable) -> GroupQuantWeight | None:
     return GroupQuantWeight(tiled.reshape(n // 16, -1).contiguous(), scales.contiguous(), codes.bits, kernel)
 
 
-def pack_torch_int4(codes: GroupCodes) -> TorchInt4Weight:
+def pack_torch_int4(codes: GroupCodes) -> TorchInt4Weight | None:
     n, k = codes.shape
+    if n % 16:
+        return None
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32).view(n, k), 1)
     # the kernel computes (code - 8) * scale + zero, so zero is the value of code 8
     scale, low = codes.scale.float(), codes.low.float()

@@ -470,6 +470,11 @@ def test_engine_hang_then_sigkill_mid_stream_health_503_and_stream_error(own_ser
     finally:
         os.kill(engine_pid, signal.SIGCONT)
     assert wait_for(lambda: httpx.get(f"{srv.url}/health").status_code == 200, timeout=10)
+    response.close()  # the resumed stream may be done by now: the kill goes into a new one's first tokens
+    http.close()
+    http, response = open_stream(srv.url, model_name)
+    lines = response.iter_lines()
+    assert next(line for line in lines if line.startswith("data:"))
     os.kill(engine_pid, signal.SIGKILL)
     killed_at = time.monotonic()
     events = [line for line in lines if line.startswith("data:")]

@@ -19,6 +19,7 @@ from families import SHAPES, VOCAB, build_family
 from nanoserve.core.engine_core import EngineCore
 from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.loader import load_model_config
+from nanoserve.model.quant import fast_kernels, quantization_error
 from tests.core.engine_steps import request, run_to_completion, tiny_engine
 
 FUSED_SHAPES = (
@@ -43,6 +44,12 @@ def needs_kernels():
 @pytest.fixture(scope="module", params=FUSED_SHAPES)
 def fused_dir(request, tmp_path_factory):
     return build_family(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def needs_quant_matmul() -> None:
+    """One-region steps and int8 run on quant_matmul only."""
+    if not fast_kernels(cpu_kernels()):
+        pytest.skip(quantization_error("int8", torch.device("cpu"), None) or "")
 
 
 def _prompts(num: int, seed: int) -> list[list[int]]:
@@ -102,6 +109,8 @@ def test_other_shapes_keep_the_module_path(shape, tmp_path):
 def test_fused_decode_on_the_bundled_model(bundled_gguf_path, quantization):
     from nanoserve.config import EngineOptions
 
+    if quantization == "int8":
+        needs_quant_matmul()
     prompts = [list(range(100 + 7 * i, 120 + 9 * i)) for i in range(4)]
     ids = {}
     for mode in ("auto", "unfused"):
@@ -186,6 +195,7 @@ def _check_regions(engine: EngineCore, prompts: list[list[int]]) -> RegionChecki
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_one_region_step_gives_the_kernel_after_kernel_bits(fused_dir, dtype):
+    needs_quant_matmul()
     checking = _check_regions(
         _engine(fused_dir, "auto", dtype=dtype, quantization="int4"), _prompts(6, seed=4)
     )
@@ -198,6 +208,7 @@ def test_one_region_step_gives_the_kernel_after_kernel_bits(fused_dir, dtype):
 def test_one_region_step_on_the_bundled_model(bundled_gguf_path, dtype, quantization):
     from nanoserve.config import EngineOptions
 
+    needs_quant_matmul()
     options = EngineOptions(model=bundled_gguf_path, dtype=dtype, quantization=quantization, num_kv_blocks=64)
     engine = EngineCore(options)
     checking = _check_regions(engine, [list(range(100 + 7 * i, 120 + 9 * i)) for i in range(5)])
