@@ -188,9 +188,9 @@ class FusedDecoder {
         layer.qkv.into(hn, rows, scratch, qkv_p);
         if (layer.q_norm && layer.k_norm)
           raw::norm_heads(qkv_p, ptr(*layer.q_norm), ptr(*layer.k_norm), rows, num_heads_, num_kv_heads_,
-                               head_dim_, eps);
+                          head_dim_, eps);
         raw::rope_write_kv(qkv_p, cs, q_p, ptr(cache), slots, rows, num_heads_, num_kv_heads_, head_dim_,
-                                cache.size(2) * cache.size(3));
+                           cache.size(2) * cache.size(3));
         paged_decode_attention_into(q, cache, block_table, lens, scale_, layer.window, softcap_, splits[i],
                                     attention_scratch.data(), attended);
         layer.o_proj.into(att, rows, scratch, dl);

@@ -54,6 +54,12 @@ torch::Tensor gelu_tanh_and_mul(torch::Tensor x);
 bool quant_matmul_supported();
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits);
 
+// quant_matmul's layout (quant_matmul.cpp): groups of 32 inputs, tiles of 16 output columns.
+namespace quant_isa {
+constexpr int64_t GROUP = 32;
+constexpr int64_t TILE = 16;
+}  // namespace quant_isa
+
 // The activations' int8 copy, per-group scales and sums: rows * k, rows * k / 32 and rows * k / 32.
 struct QuantScratch {
   int8_t* xq;

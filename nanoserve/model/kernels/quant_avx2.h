@@ -18,8 +18,6 @@
 
 namespace quant_isa {
 
-constexpr int64_t GROUP = 32;
-constexpr int64_t TILE = 16;
 constexpr int64_t HALF = 8;  // columns per register
 constexpr int MAX_ROWS = 4;  // rows of x per pass: their sums and accumulators fill the 16 registers
 

@@ -10,8 +10,6 @@
 
 namespace quant_isa {
 
-constexpr int64_t GROUP = 32;
-constexpr int64_t TILE = 16;
 constexpr int MAX_ROWS = 8;  // rows of x per pass over a tile, their sums in registers (16 spill)
 
 inline __m512 half_to_float(const at::Half* p) {
