@@ -50,6 +50,8 @@ CASES = {
     # fewer (sequence, KV head) tasks than threads can share: long contexts split into parts, the short
     # sequence's second part empty
     "few-tasks": (4, 1, [1000, 20]),
+    # batch 1 of SmolLM2's heads: 3 tasks on 2 threads, a short context split in two
+    "one-sequence": (9, 3, [96]),
 }
 
 

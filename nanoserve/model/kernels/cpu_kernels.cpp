@@ -1,10 +1,12 @@
 // CPU kernels for the steps where PyTorch's eager ops cost more in dispatch and copies than in work.
 //
 // paged_decode_attention: one query token per sequence, grouped-query heads, straight from the paged KV
-// cache (bf16 q.k products with AVX512-BF16 where the head size is 64). Each (sequence, KV head) pair is one task that walks the context a cache block at a time: its
+// cache (q.k products in bf16 pairs with AVX512-BF16 where the head size is 64, else 8 keys at a time on
+// AVX2). Each (sequence, KV head) pair is one task that walks the context a cache block at a time: its
 // query heads' scores for the block, a running softmax (max and total rescaled when the max grows), and
 // the weighted sum of the block's V rows. Each cached K and V row is read once, in place. With fewer tasks
-// than threads can share, long contexts are split into parts whose results are merged. A sliding window
+// than threads can share (3 KV heads on 2 threads at batch 1), contexts of 64 tokens and more are split
+// into parts whose results are merged, so that no thread waits for another's second task. A sliding window
 // starts the walk at the window's first position (blocks before it may be freed); soft-capping maps each
 // score to cap * tanh(score / cap) (Gemma 2).
 //
@@ -30,7 +32,7 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -53,6 +55,43 @@ inline __m512 sum_each16(const __m512 v[16]) {
   };
   for (int i = 0; i < 2; ++i) halves[i] = fold(quads[2 * i], quads[2 * i + 1]);
   return fold(halves[0], halves[1]);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bf16 is the high half of a float32
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// lane t: the sum of v[t]'s 8 lanes (two rounds of pairwise sums, then the 128-bit halves)
+inline __m256 sum_each8(const __m256 v[8]) {
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+// score_rows on AVX2: 8 keys' dot products with one query head in 8 registers, then their 8 sums in one
+template <typename T, int D>
+inline void score_rows_avx2(const T* k, int64_t n, int64_t per_kv, const float* query, float* scores,
+                            int64_t block_size) {
+  for (int64_t first = 0; first < n; first += 8, k += 8 * D) {
+    const int64_t keys = std::min<int64_t>(8, n - first);
+    for (int64_t h = 0; h < per_kv; ++h) {
+      const float* qh = query + h * D;
+      __m256 dots[8];
+      for (int64_t t = 0; t < 8; ++t) {
+        dots[t] = _mm256_setzero_ps();
+        if (t >= keys) continue;  // rows past the block's end are never read
+        for (int64_t d = 0; d < D; d += 8)
+          dots[t] = _mm256_fmadd_ps(load8(k + t * D + d), _mm256_loadu_ps(qh + d), dots[t]);
+      }
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, sum_each8(dots));
+      std::memcpy(scores + h * block_size + first, sums, keys * sizeof(float));
+    }
+  }
 }
 #endif
 
@@ -82,6 +121,12 @@ inline void score_rows(const T* k, int64_t n, int64_t D, int64_t per_kv, const T
     return;
   }
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (FIXED_D > 0 && FIXED_D % 8 == 0) {
+    score_rows_avx2<T, FIXED_D>(k, n, per_kv, query, scores, block_size);
+    return;
+  }
+#endif
   for (int64_t t = 0; t < n; ++t, k += D) {
     for (int64_t d = 0; d < D; ++d) row[d] = to_float(k[d]);
     for (int64_t h = 0; h < per_kv; ++h) {
@@ -94,7 +139,7 @@ inline void score_rows(const T* k, int64_t n, int64_t D, int64_t per_kv, const T
 }
 
 constexpr int64_t PREFETCH_BLOCKS = 4;
-constexpr int64_t MIN_PART_TOKENS = 256;
+constexpr int64_t MIN_PART_TOKENS = 32;
 
 template <typename T, int FIXED_D>
 void decode_attention(const T* q, const T* kv, const int32_t* block_table, const int64_t* seq_lens, T* out,
@@ -192,7 +237,11 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
           }
         }
         const T* v = v_head + first * D;
-        for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(v[i]);
+        const float* v_rows = rows.data();
+        if constexpr (std::is_same_v<T, float>)
+          v_rows = v;  // read in place
+        else
+          for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(v[i]);
         for (int64_t h = 0; h < per_kv; ++h) {
           const float* p = scores.data() + h * block_size;
           float* a = acc + h * D;
@@ -200,11 +249,11 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
             float sum[FIXED_D > 0 ? FIXED_D : 1];
             for (int64_t d = 0; d < D; ++d) sum[d] = a[d];
             for (int64_t t = 0; t < n; ++t)
-              for (int64_t d = 0; d < D; ++d) sum[d] += p[t] * rows[t * D + d];
+              for (int64_t d = 0; d < D; ++d) sum[d] += p[t] * v_rows[t * D + d];
             for (int64_t d = 0; d < D; ++d) a[d] = sum[d];
           } else {
             for (int64_t t = 0; t < n; ++t)
-              for (int64_t d = 0; d < D; ++d) a[d] += p[t] * rows[t * D + d];
+              for (int64_t d = 0; d < D; ++d) a[d] += p[t] * v_rows[t * D + d];
           }
         }
         position += n;
@@ -260,8 +309,8 @@ AttentionSplit attention_split(const int64_t* seq_lens, int64_t num_seqs, int64_
   int64_t longest = 0;
   for (int64_t seq = 0; seq < num_seqs; ++seq)
     longest = std::max(longest, seq_lens[seq] - first_attended(seq_lens[seq], window));
-  // Few (sequence, KV head) tasks would leave threads idle (3 KV heads on 2 threads at batch 1): then
-  // long contexts are split into parts, each with its own running softmax, merged at the end.
+  // Few (sequence, KV head) tasks would leave threads idle or waiting (3 KV heads on 2 threads at batch 1):
+  // then contexts are split into parts, each with its own running softmax, merged at the end.
   const int64_t tasks = num_seqs * num_kv_heads, threads = at::get_num_threads();
   int64_t parts = 1;
   if (tasks < 2 * threads)
