@@ -59,12 +59,6 @@ inline __m512 sum_each16(const __m512 v[16]) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {  // bf16 is the high half of a float32
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
 // lane t: the sum of v[t]'s 8 lanes (two rounds of pairwise sums, then the 128-bit halves)
 inline __m256 sum_each8(const __m256 v[8]) {
   const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));

@@ -17,6 +17,17 @@ inline float to_float(at::BFloat16 x) {
 }
 inline float to_float(float x) { return x; }
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+// 8 values as float32 lanes
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
+
 // The head sizes the attention kernels compile as constants (others take their generic path).
 #define NANOSERVE_FOR_EACH_HEAD_DIM(CASE) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(256)
 

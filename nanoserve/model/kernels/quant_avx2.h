@@ -103,12 +103,6 @@ void tile_rows(const int8_t* xq, const float* x_scales, const float* x_sums, con
   }
 }
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {  // bf16 is the high half of a float32
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
 // One group of 32 activations to int8 (scale = max |x| / 127), with its scale and the sum of its quantized
 // values (times the scale): the same values as the AVX-512 path, four vectors a group.
 template <typename T>
