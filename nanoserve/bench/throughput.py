@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model_path = resolve_model_path(args.model)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    dtype_name = str(dtype).removeprefix("torch.")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     names = args.engines.split(",")
     try:
@@ -180,10 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.error(str(e))
     tokenizer = load_tokenizer(model_path)
-    llms = {
-        n: LLM(model=model_path, dtype=str(dtype).removeprefix("torch."), **kw)
-        for n, kw in llm_options.items()
-    }
+    llms = {n: LLM(model=model_path, dtype=dtype_name, **kw) for n, kw in llm_options.items()}
     hf_model = load_transformers(model_path, dtype) if "transformers" in names else None
 
     labels = {n: f"nanoserve ({n})" for n in names} | {"transformers": "transformers"}
@@ -200,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         return time_nanoserve(llms[name], prompts, new_tokens, sampled)
 
     print(
-        f"model {model_path}\ndtype {str(dtype).removeprefix('torch.')} ({args.dtype}), {torch.get_num_threads()} threads, "
+        f"model {model_path}\ndtype {dtype_name} ({args.dtype}), {torch.get_num_threads()} threads, "
         f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy and sampled "
         f"(temperature {SAMPLED_TEMPERATURE}, top_p {SAMPLED_TOP_P}); tok/s as median (min-max) of {args.repeats}\n"
     )

@@ -32,9 +32,6 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512BF16__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
