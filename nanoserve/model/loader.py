@@ -54,7 +54,8 @@ def load_model(
     kernels: ModuleType | None = None,
     matmul_choice: str = "fixed",
 ) -> CausalLM:
-    """kernels: the C++ CPU kernels (nanoserve.model.kernels), for the quantized formats they run;
+    """kernels: the C++ CPU kernels (nanoserve.model.kernels), for the quantized formats they run and
+    float32's dense_matmul;
     matmul_choice: see nanoserve.model.matmul_choice and nanoserve.model.pack_choice."""
     quantization = resolve_quantization(quantization, path, device)
     error = quantization_error(quantization, device, kernels)
@@ -90,6 +91,8 @@ def load_model(
     model.requires_grad_(False).eval()
     if cpu_prepack_supported(dtype, device):
         model.prepack_for_cpu(matmul_choice)
+    elif kernels is not None and dtype == torch.float32 and device.type == "cpu":
+        model.use_dense_matmul(kernels.dense_matmul, matmul_choice)
     if quantization != "none":
         model.quantize(quantization, kernels, matmul_choice, codes)
     return model

@@ -4,9 +4,9 @@ Greedy ids must be the module path's token for token (the fused step runs the sa
 order, so it is exact, bf16 included) on every Llama-shaped family of tests/model/families.py, in float32
 and bfloat16, unquantized and int4, at batch 1 and in batches, under chunked prefill and preemption and
 with prefix-cache hits; and on the bundled model. In float32 both also match transformers
-(tests/model/test_families.py runs the engine, fused path included, against it). A quantized step, bf16
-or float32, that runs in one OpenMP region must give the kernel-after-kernel step's hidden states bit for
-bit.
+(tests/model/test_families.py runs the engine, fused path included, against it). A step that runs in one
+OpenMP region (quantized, bf16 or float32; float32 unquantized, on dense_matmul) must give the
+kernel-after-kernel step's hidden states bit for bit.
 """
 
 from __future__ import annotations
@@ -193,22 +193,27 @@ def _check_regions(engine: EngineCore, prompts: list[list[int]]) -> RegionChecki
     return checking
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_one_region_step_gives_the_kernel_after_kernel_bits(fused_dir, dtype):
-    needs_quant_matmul()
+@pytest.mark.parametrize(
+    "dtype, quantization", [("bfloat16", "int4"), ("float32", "int4"), ("float32", "none")]
+)
+def test_one_region_step_gives_the_kernel_after_kernel_bits(fused_dir, dtype, quantization):
+    if quantization != "none":
+        needs_quant_matmul()
     checking = _check_regions(
-        _engine(fused_dir, "auto", dtype=dtype, quantization="int4"), _prompts(6, seed=4)
+        _engine(fused_dir, "auto", dtype=dtype, quantization=quantization), _prompts(6, seed=4)
     )
     assert checking.region_steps > 0 and {1, 6} <= checking.batch_sizes
 
 
 @pytest.mark.parametrize(
-    "dtype, quantization", [("bfloat16", "int4"), ("bfloat16", "int8"), ("float32", "int4")]
+    "dtype, quantization",
+    [("bfloat16", "int4"), ("bfloat16", "int8"), ("float32", "int4"), ("float32", "none")],
 )
 def test_one_region_step_on_the_bundled_model(bundled_gguf_path, dtype, quantization):
     from nanoserve.config import EngineOptions
 
-    needs_quant_matmul()
+    if quantization != "none":
+        needs_quant_matmul()
     options = EngineOptions(model=bundled_gguf_path, dtype=dtype, quantization=quantization, num_kv_blocks=64)
     engine = EngineCore(options)
     checking = _check_regions(engine, [list(range(100 + 7 * i, 120 + 9 * i)) for i in range(5)])
@@ -216,6 +221,6 @@ def test_one_region_step_on_the_bundled_model(bundled_gguf_path, dtype, quantiza
     assert checking.region_steps > 0 and {1, 5} <= checking.batch_sizes
 
 
-def test_unquantized_steps_stay_kernel_after_kernel(fused_dir):
+def test_unquantized_bf16_steps_stay_kernel_after_kernel(fused_dir):
     model = _engine(fused_dir, "auto", dtype="bfloat16").runner.model
     assert model is not None and not model.fused_decoder.one_region_at(1)

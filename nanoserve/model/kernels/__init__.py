@@ -29,6 +29,7 @@ SOURCES = [
         "cpu_kernels.cpp",
         "prefill_attention.cpp",
         "quant_matmul.cpp",
+        "dense_matmul.cpp",
         "fused_decoder.cpp",
         "sampling.cpp",
     )

@@ -584,6 +584,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("quant_matmul_supported", &quant_matmul_supported);
   m.def("quant_matmul", &quant_matmul);
+  m.def("dense_matmul", &dense_matmul, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"));
   m.def("sample_rows", &sample_rows);
   register_fused_decoder(m);
 }

@@ -7,7 +7,8 @@
 // Python bindings between the stages (about 330 small ops per step for SmolLM2-135M, as much time as its
 // quantized matmuls at batch 1).
 //
-// A step whose every matmul is quant_matmul (bf16 or float32, small batches) runs in one OpenMP region: the
+// A step whose every matmul is quant_matmul (bf16 or float32, small batches) or dense_matmul (float32 small
+// batches) runs in one OpenMP region: the
 // threads make the same kernel calls over buffers allocated once per step, each taking its share and meeting
 // the others at a barrier (work_split.h), where kernel after kernel would open a region, wake the threads and
 // allocate outputs per call (at batch 1 the second thread sat idle for 60 % of the step).
@@ -16,8 +17,10 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -37,34 +40,47 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
 }  // namespace
 
 // One Linear of the module path (nanoserve/model/layers/linear.py) with its choice per step size: the
-// quantized weight for steps of up to max_tokens rows, else the oneDNN-packed weight, else the plain one.
+// quantized weight for steps of up to max_tokens rows, else below plain_from rows the oneDNN-packed weight or
+// dense_matmul, else the plain one.
 struct FusedMatmul {
   at::Tensor weight;  // [out_features, in_features]
   std::optional<at::Tensor> packed, bias;
+  bool dense = false;  // float32: dense_matmul below plain_from rows
   std::string quantized;  // "", "groups" (quant_matmul) or "torch_int4"
   at::Tensor codes, scales;  // groups: codes and scales; torch_int4: packed codes and scales_and_zeros
-  int64_t bits = 0, max_tokens = 0;
+  int64_t bits = 0, max_tokens = 0, plain_from = std::numeric_limits<int64_t>::max();
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (!quantized.empty() && x.size(0) <= max_tokens) {
+    if (quantized_at(x.size(0))) {
       at::Tensor out = quantized == "groups"
                            ? quant_matmul(x, codes, scales, bits)
                            : at::_weight_int4pack_mm_for_cpu(x.contiguous(), codes, TORCH_INT4_GROUP,
                                                              scales.to(x.scalar_type()));
       return bias ? out + *bias : out;
     }
-    if (packed) return packed_linear(x, *packed, bias);
+    if (x.size(0) < plain_from) {
+      if (packed) return packed_linear(x, *packed, bias);
+      if (dense) return dense_matmul(x, weight, bias);
+    }
     return at::linear(x, weight, bias);
   }
 
-  // whether a step of `rows` rows runs quant_matmul over groups (the kernel a decode region can call)
+  bool quantized_at(int64_t rows) const { return !quantized.empty() && rows <= max_tokens; }
   bool group_quantized_at(int64_t rows) const { return quantized == "groups" && rows <= max_tokens; }
+  bool dense_at(int64_t rows) const { return !quantized_at(rows) && dense && rows < plain_from; }
+  // whether a step of `rows` rows runs a kernel a decode region can call: quant_matmul or dense_matmul
+  bool runs_in_region_at(int64_t rows) const {
+    return (group_quantized_at(rows) && quant_matmul_supported()) || dense_at(rows);
+  }
 
-  // x [rows, in_features] -> out [rows, out_features] inside a decode region (group_quantized_at(rows))
+  // x [rows, in_features] -> out [rows, out_features] inside a decode region (runs_in_region_at(rows))
   template <typename T>
   void into(const T* x, int64_t rows, const QuantScratch& scratch, T* out) const {
-    raw::quant_matmul(x, rows, weight.size(1), codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), bits,
-                      weight.size(0), scratch, out);
+    if (!dense_at(rows))
+      raw::quant_matmul(x, rows, weight.size(1), codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), bits,
+                        weight.size(0), scratch, out);
+    else if constexpr (std::is_same_v<T, float>)  // one_region_at: dense_matmul only in float32 steps
+      raw::dense_matmul(x, rows, weight.size(1), weight.data_ptr<float>(), weight.size(0), out);
     if (bias) raw::add_bias(out, bias->data_ptr<T>(), rows, weight.size(0));
   }
 };
@@ -115,13 +131,18 @@ class FusedDecoder {
   bool one_region = true;  // off: kernel after kernel at every step (the region path's reference in tests)
 
   // Whether the weights let a step of `rows` rows run in one region: bf16 or float32 throughout, every
-  // matmul quant_matmul at that size (the region's kernels take raw pointers and check nothing).
+  // matmul quant_matmul or (float32) dense_matmul at that size (the region's kernels take raw pointers and
+  // check nothing).
   bool one_region_at(int64_t rows) const {
     const auto dtype = final_norm_.scalar_type();
-    if (!quant_matmul_supported() || (dtype != at::kBFloat16 && dtype != at::kFloat)) return false;
+    if (dtype != at::kBFloat16 && dtype != at::kFloat) return false;
     for (const FusedLayer& layer : layers_) {
-      for (const FusedMatmul* m : {&layer.qkv, &layer.o_proj, &layer.gate_up, &layer.down})
-        if (!m->group_quantized_at(rows) || (m->bias && m->bias->scalar_type() != dtype)) return false;
+      for (const FusedMatmul* m : {&layer.qkv, &layer.o_proj, &layer.gate_up, &layer.down}) {
+        if (!m->runs_in_region_at(rows) || (m->bias && m->bias->scalar_type() != dtype)) return false;
+        if (m->dense_at(rows) && (dtype != at::kFloat || m->weight.scalar_type() != at::kFloat ||
+                                  !m->weight.is_contiguous()))
+          return false;
+      }
       if (layer.input_norm.scalar_type() != dtype || layer.post_attention_norm.scalar_type() != dtype ||
           (layer.q_norm && layer.q_norm->scalar_type() != dtype) || (layer.k_norm && layer.k_norm->scalar_type() != dtype))
         return false;
@@ -229,6 +250,8 @@ void register_fused_decoder(pybind11::module& m) {
       .def_readwrite("weight", &FusedMatmul::weight)
       .def_readwrite("packed", &FusedMatmul::packed)
       .def_readwrite("bias", &FusedMatmul::bias)
+      .def_readwrite("dense", &FusedMatmul::dense)
+      .def_readwrite("plain_from", &FusedMatmul::plain_from)
       .def_readwrite("quantized", &FusedMatmul::quantized)
       .def_readwrite("codes", &FusedMatmul::codes)
       .def_readwrite("scales", &FusedMatmul::scales)

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <tuple>
 
 // bf16 is the high half of a float32
@@ -64,6 +65,7 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor gelu_tanh_and_mul(torch::Tensor x);
 bool quant_matmul_supported();
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits);
+torch::Tensor dense_matmul(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
 
 // quant_matmul's layout (quant_matmul.cpp): groups of 32 inputs, tiles of 16 output columns.
 namespace quant_isa {
@@ -101,6 +103,8 @@ void act_and_mul(bool gelu, const T* x, T* out, int64_t rows, int64_t width);
 template <typename T>
 void quant_matmul(const T* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales, int64_t bits,
                   int64_t n, const QuantScratch& scratch, T* out);
+// x [rows, k] @ weight [n, k].T -> out [rows, n], float32 throughout
+void dense_matmul(const float* x, int64_t rows, int64_t k, const float* weight, int64_t n, float* out);
 }  // namespace raw
 
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,

@@ -41,6 +41,7 @@ def fused_matmul(kernels: ModuleType, linear: Linear) -> Any:
     """The C++ twin of `linear`, holding the same tensors and the same step-size limit."""
     matmul = kernels.FusedMatmul()
     matmul.weight, matmul.packed, matmul.bias = linear.weight, linear.packed, linear.bias
+    matmul.dense, matmul.plain_from = linear.dense is not None, linear.plain_from
     quantized = linear.quantized
     if isinstance(quantized, GroupQuantWeight):
         matmul.quantized, matmul.codes, matmul.scales = "groups", quantized.codes, quantized.scales

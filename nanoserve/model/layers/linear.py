@@ -1,14 +1,19 @@
-"""Linear: nn.Linear that can keep its weight pre-packed for oneDNN (CPU, bf16) and carry a quantized copy."""
+"""Linear: nn.Linear whose small steps can run on a faster kernel than F.linear (on CPU: oneDNN over a
+pre-packed bf16 weight, or the C++ dense_matmul over a float32 one) and that can carry a quantized copy."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nanoserve.model.quant import QuantizedWeight
+
+DenseMatmul = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+"""The C++ dense_matmul(x, weight, bias) of float32 steps (nanoserve/model/kernels/dense_matmul.cpp)."""
 
 
 def cpu_prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -34,14 +39,18 @@ class Linear(nn.Linear):
 
     F.linear in bf16 on CPU re-packs the weight into oneDNN's blocked layout on every call, which at
     decode batch sizes costs about as much as the matmul; packing once makes small batches ~1.5-4x faster.
+    In float32, torch's matmul reads a weight at half the memory's speed or less for a few rows, so those
+    steps run on dense_matmul.
     Every Linear of a decoder layer is quantized by --quantization (routers are plain nn.Linear, kept
     exact: they choose experts).
     """
 
     packed: Tensor | None = None
+    dense: DenseMatmul | None = None
     plain_from: int = sys.maxsize
-    """Steps of at least this many rows multiply the plain weight, which oneDNN lays out for their size on
-    every call: for compute-bound prefill steps that can beat the packed layout (nanoserve.model.pack_choice)."""
+    """Steps of at least this many rows multiply the plain weight with F.linear, smaller ones the packed
+    weight or dense: for compute-bound prefill steps oneDNN's layout for their size can beat the packed
+    one, and torch's float32 matmul dense_matmul (nanoserve.model.pack_choice)."""
     quantized: QuantizedWeight | None = None
     """Used for steps of up to quantized.max_tokens rows (see nanoserve.model.quant)."""
 
@@ -63,6 +72,9 @@ class Linear(nn.Linear):
 
     def unquantized(self, input: Tensor, with_bias: bool = True) -> Tensor:
         bias = self.bias if with_bias else None
-        if self.packed is not None and input.shape[0] < self.plain_from:
-            return packed_linear(input, self.packed, bias)
+        if input.shape[0] < self.plain_from:
+            if self.packed is not None:
+                return packed_linear(input, self.packed, bias)
+            if self.dense is not None:
+                return self.dense(input, self.weight, bias)
         return F.linear(input, self.weight, bias)
