@@ -3,8 +3,8 @@ family does), one rotary table looked up once per step (two for Gemma 3's local 
 layers over the paged KV cache, the final norm and the logits (soft-capped where the family does).
 
 It also owns what the engine does to any model after loading: pre-packing bf16 matmul weights for oneDNN
-(or, in float32, running small steps on the C++ dense_matmul), switching on the C++ kernels (and, for Llama-shaped layers, the fused decode step), quantizing. A family
-subclasses it and builds `self.layers`.
+(or, in float32, running small steps on the C++ dense_matmul), switching on the C++ kernels (and, for
+Llama-shaped layers, the fused decode step), quantizing. A family subclasses it and builds `self.layers`.
 """
 
 from __future__ import annotations
