@@ -64,9 +64,8 @@ class EngineOptions:
     the step sizes up to which each quantized matmul beats the unquantized one and uses it there; fixed:
     the quantized kernel at every step size (quant_matmul; torch's int4 kernel up to 16 tokens) and the
     8-bit lm_head up to 4 rows. See nanoserve.model.matmul_choice. With or without quantization, auto
-    also measures which blocked layout oneDNN's bf16 weights are packed in, and up to which step size
-    float32 matmuls run on the C++ dense_matmul (nanoserve.model.pack_choice); fixed keeps the layout for
-    batch 1 and dense_matmul below 64 rows."""
+    also measures which blocked layout oneDNN's bf16 weights are packed in (nanoserve.model.pack_choice);
+    fixed keeps the layout for batch 1."""
     speculative: str = "none"
     """ngram: speculative decoding by prompt lookup (nanoserve.core.speculator): up to
     `num_speculative_tokens` tokens that followed the latest earlier occurrence of the sequence's last

@@ -78,8 +78,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=MATMUL_CHOICES,
         default=None,
         help="auto measures per CPU and weight shape (cached) up to which step size each quantized matmul "
-        "beats the unquantized one, oneDNN's fastest bf16 layout and up to which step size float32 runs on "
-        "the C++ dense_matmul; fixed: quantized at every step size, batch 1's layout, dense_matmul below 64 rows",
+        "beats the unquantized one, and oneDNN's fastest bf16 layout; fixed: quantized at every step size, "
+        "batch 1's layout",
     )
     group.add_argument(
         "--speculative",

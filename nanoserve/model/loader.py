@@ -92,7 +92,7 @@ def load_model(
     if cpu_prepack_supported(dtype, device):
         model.prepack_for_cpu(matmul_choice)
     elif kernels is not None and dtype == torch.float32 and device.type == "cpu":
-        model.use_dense_matmul(kernels.dense_matmul, matmul_choice)
+        model.use_dense_matmul(kernels.dense_matmul)
     if quantization != "none":
         model.quantize(quantization, kernels, matmul_choice, codes)
     return model

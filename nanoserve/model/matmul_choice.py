@@ -1,6 +1,6 @@
 """Which matmul serves a step of each size: a weight's quantized kernel or the unquantized one (oneDNN's
-bf16 matmul over the pre-packed weight, on AMX tiles where the CPU has them; in float32, dense_matmul or
-torch's matmul, as nanoserve.model.pack_choice chose per step size).
+bf16 matmul over the pre-packed weight, on AMX tiles where the CPU has them; in float32, the C++
+dense_matmul).
 
 A decode step reads every weight for little arithmetic, so a 4- or 8-bit kernel wins by reading fewer
 bytes; a long prefill is compute-bound, and there the winner depends on the CPU: on an AVX-512 Zen

@@ -1,6 +1,4 @@
-"""How the unquantized weights serve decode-sized steps, measured once per CPU and weight shape: for bf16,
-the blocked layout oneDNN's weights are packed in; for float32, up to which step size the C++ dense_matmul
-beats torch's matmul.
+"""How oneDNN's bf16 weights are laid out, measured once per CPU and weight shape.
 
 `torch.ops.mkldnn._reorder_linear_weight(weight, batch)` lays a weight out for the kernel oneDNN would
 pick at that batch size, and every later step, whatever its size, runs on that layout. On a two-core
@@ -14,13 +12,9 @@ the engine's threads (the split between them is what differs), over the weights 
 reads them (at most STREAMED_BYTES of them), best of PASSES interleaved passes; the winner has the
 lowest sum of times relative to the fastest at each size. Then the winner against the plain weight at
 prefill sizes, over one weight (they are compute-bound): Linear.plain_from is the smallest size from
-which the plain weight stays faster. "fixed" keeps batch 1's layout at every size.
-
-float32 weights are not packed: their small steps run on dense_matmul (nanoserve/model/kernels/
-dense_matmul.cpp), which streams the weight at the memory's speed where torch's matmul reached half of it,
-and Linear.plain_from is measured the same way, dense_matmul against the plain weight at decode and
-prefill sizes ("fixed": DENSE_PLAIN_FROM). Both choices are cached in matmul_choice.json
-(nanoserve.model.matmul_choice) under the CPU, thread count, dtype and shape.
+which the plain weight stays faster. Both are cached in matmul_choice.json
+(nanoserve.model.matmul_choice) under the CPU, thread count, dtype and shape. "fixed" keeps batch 1's
+layout at every size.
 """
 
 from __future__ import annotations
@@ -49,16 +43,11 @@ PASSES = 3
 STREAMED_BYTES = 256 << 20
 """Weights of a shape timed per pass, up to this many bytes: enough to leave the caches, little enough
 that two packed copies of them fit beside a large model."""
-DENSE_STEP_SIZES = (1, 4, 16, 64)
-DENSE_PLAIN_FROM = 64
-"""The fixed choice for float32: dense_matmul for steps under 64 rows (over SmolLM2-135M's weights on a
-2-core Zen 3 it took 0.58x torch's time at 1 row, 0.38x at 4, 0.63x at 16 and 0.9x at 64)."""
 
 
-def pack_key(shape: tuple[int, int], dtype: torch.dtype, what: str = "layout") -> str:
-    """The cache key of a shape's choice: what ("layout" or "dense"), CPU, thread count, dtype and shape."""
+def pack_key(shape: tuple[int, int], dtype: torch.dtype) -> str:
     threads = torch.get_num_threads()
-    return f"{library_name(cpu_identity())} {what} {threads} threads {dtype} {shape[0]}x{shape[1]}"
+    return f"{library_name(cpu_identity())} layout {threads} threads {dtype} {shape[0]}x{shape[1]}"
 
 
 def best_hint(times: dict[int, dict[int, float]]) -> int:
@@ -100,19 +89,13 @@ def _best_of_passes(candidates: dict, sizes: Sequence[int], in_features: int, dt
     return times
 
 
-def streamed_count(weights: Sequence[Tensor]) -> int:
-    """How many of a shape's weights a decode-sized pass reads: all, up to STREAMED_BYTES."""
-    count = 1
-    while count < len(weights) and sum(w.nbytes for w in weights[: count + 1]) <= STREAMED_BYTES:
-        count += 1
-    return count
-
-
 def measure_layout(weights: Sequence[Tensor], prefill: bool = True) -> dict:
     """The entry cached for a shape: {"batch_hint", "plain_from", "times"} (times: the decode sizes'
     per hint, the prefill sizes' of the winner and of the plain weight; prefill False: a weight that
     never sees prefill-sized steps, whose plain_from is left at sys.maxsize)."""
-    count = streamed_count(weights)
+    count = 1
+    while count < len(weights) and sum(w.nbytes for w in weights[: count + 1]) <= STREAMED_BYTES:
+        count += 1
     in_features, dtype = weights[0].shape[1], weights[0].dtype
     packed = {hint: [_packed_matmul(pack_weight(w, hint)) for w in weights[:count]] for hint in BATCH_HINTS}
     by_hint = _best_of_passes(packed, STEP_SIZES, in_features, dtype)
@@ -132,70 +115,24 @@ def measure_layout(weights: Sequence[Tensor], prefill: bool = True) -> dict:
     }
 
 
-def measure_dense(weights: Sequence[Tensor], kernel: Callable, prefill: bool = True) -> dict:
-    """The entry cached for a float32 shape: {"plain_from", "times"}, dense_matmul (kernel) against the
-    plain weight at decode sizes over the weights a step reads and, with prefill, at prefill sizes over one."""
-    count = streamed_count(weights)
-    in_features, dtype = weights[0].shape[1], weights[0].dtype
-
-    def candidates(weights: Sequence[Tensor]) -> dict:
-        return {
-            "dense": [functools.partial(kernel, weight=w, bias=None) for w in weights],
-            "plain": [functools.partial(F.linear, weight=w) for w in weights],
-        }
-
-    times = _best_of_passes(candidates(weights[:count]), DENSE_STEP_SIZES, in_features, dtype)
-    if prefill:
-        large = _best_of_passes(candidates(weights[:1]), PREFILL_STEP_SIZES, in_features, dtype)
-        times = {name: times[name] | large[name] for name in times}
-    return {"plain_from": plain_from(times["dense"], times["plain"]), "times": times}
-
-
-def _cached_choices(
+def choose_layouts(
     weights_by_shape: dict[tuple[int, int], list[Tensor]],
-    what: str,
-    measure: Callable[[tuple[int, int]], dict],
+    decode_only: frozenset[tuple[int, int]] = frozenset(),
 ) -> dict[tuple[int, int], dict]:
-    """Each shape's entry from the cache, or measure(shape) (then cached)."""
+    """Each shape's entry ({"batch_hint", "plain_from", ...}), from the cache or measured (then cached);
+    decode_only: shapes measured at decode sizes only (see measure_layout)."""
     path = cache_file()
     cached = read_cache(path)
-    keys = {shape: pack_key(shape, weights[0].dtype, what) for shape, weights in weights_by_shape.items()}
+    keys = {shape: pack_key(shape, weights[0].dtype) for shape, weights in weights_by_shape.items()}
     missing = [shape for shape, key in keys.items() if key not in cached]
     if missing:
         start = time.perf_counter()
         for shape in missing:
-            cached[keys[shape]] = measure(shape)
+            cached[keys[shape]] = measure_layout(weights_by_shape[shape], shape not in decode_only)
         logger.info(
-            "measured the %s choice of %d weight shapes in %.1f s",
-            what,
+            "measured the layout of %d bf16 weight shapes in %.1f s",
             len(missing),
             time.perf_counter() - start,
         )
         write_cache(path, read_cache(path) | {keys[shape]: cached[keys[shape]] for shape in missing})
     return {shape: cached[key] for shape, key in keys.items()}
-
-
-def choose_layouts(
-    weights_by_shape: dict[tuple[int, int], list[Tensor]],
-    decode_only: frozenset[tuple[int, int]] = frozenset(),
-) -> dict[tuple[int, int], dict]:
-    """Each bf16 shape's entry ({"batch_hint", "plain_from", ...}), from the cache or measured (then
-    cached); decode_only: shapes measured at decode sizes only (see measure_layout)."""
-    return _cached_choices(
-        weights_by_shape,
-        "layout",
-        lambda shape: measure_layout(weights_by_shape[shape], shape not in decode_only),
-    )
-
-
-def choose_dense_limits(
-    weights_by_shape: dict[tuple[int, int], list[Tensor]],
-    kernel: Callable,
-    decode_only: frozenset[tuple[int, int]] = frozenset(),
-) -> dict[tuple[int, int], dict]:
-    """Each float32 shape's entry ({"plain_from", "times"}), from the cache or measured (then cached)."""
-    return _cached_choices(
-        weights_by_shape,
-        "dense",
-        lambda shape: measure_dense(weights_by_shape[shape], kernel, shape not in decode_only),
-    )

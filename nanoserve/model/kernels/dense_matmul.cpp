@@ -1,4 +1,4 @@
-// dense_matmul: x @ W.T for an unquantized float32 W, for decode-sized steps.
+// dense_matmul: x @ W.T for an unquantized float32 W.
 //
 // A decode step of a few rows reads every weight once, so it should run at the memory's read speed. On a
 // 2-core Zen 3, torch's float32 matmul did not: over SmolLM2-135M's weights it reached 9 GB/s at 1 row and
@@ -6,6 +6,10 @@
 // output column's weight row once per step: every thread takes tiles of 4 columns and, for all the step's
 // rows, 4 at a time, accumulates the dot products in 8-lane vectors, so the tile's rows (4 x K floats) stay
 // in L1/L2 while the step's activations pass over them.
+//
+// Every product is summed in the same order whatever the step's size and whichever block computes it, so a
+// row's result does not depend on the rows beside it: a request decodes the same tokens alone or in any
+// batch, and so does a prompt prefilled alone or beside others.
 #include "kernels.h"
 #include "work_split.h"
 
@@ -18,10 +22,28 @@ typedef float vec8 __attribute__((vector_size(32)));
 constexpr int64_t TILE_COLUMNS = 4;
 constexpr int64_t BLOCK_ROWS = 4;
 
+typedef float vec4 __attribute__((vector_size(16)));
+
 inline vec8 load(const float* p) {
   vec8 v;
   __builtin_memcpy(&v, p, sizeof v);
   return v;
+}
+
+// acc + w * x, one rounding: an FMA instruction where there is one. The kernels build with -ffast-math,
+// under which `acc += w * x` may be contracted or reassociated differently in each block's instantiation.
+inline vec8 multiply_add(vec8 w, vec8 x, vec8 acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return (vec8)_mm256_fmadd_ps((__m256)w, (__m256)x, (__m256)acc);
+#else
+  return acc + w * x;
+#endif
+}
+
+// the 8 lanes' sum, in one fixed order (a scalar loop may be reordered differently per instantiation)
+inline float lane_sum(vec8 v) {
+  const vec4 half = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (half[0] + half[2]) + (half[1] + half[3]);
 }
 
 // out[r, column + c] for R rows and C columns: C * R accumulators in registers (at most 8 of them, with
@@ -35,13 +57,12 @@ void dot_block(const float* x, const float* w, float* out, int64_t k, int64_t n,
     for (int r = 0; r < R; ++r) xv[r] = load(x + r * k + i);
     for (int c = 0; c < C; ++c) {
       const vec8 wv = load(w + (column + c) * k + i);
-      for (int r = 0; r < R; ++r) acc[c][r] += wv * xv[r];
+      for (int r = 0; r < R; ++r) acc[c][r] = multiply_add(wv, xv[r], acc[c][r]);
     }
   }
   for (int c = 0; c < C; ++c) {
     for (int r = 0; r < R; ++r) {
-      float total = 0.f;
-      for (int lane = 0; lane < 8; ++lane) total += acc[c][r][lane];
+      float total = lane_sum(acc[c][r]);
       for (int64_t i = whole; i < k; ++i) total += x[r * k + i] * w[(column + c) * k + i];
       out[r * n + column + c] = total;
     }

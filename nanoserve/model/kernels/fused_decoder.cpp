@@ -40,12 +40,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
 }  // namespace
 
 // One Linear of the module path (nanoserve/model/layers/linear.py) with its choice per step size: the
-// quantized weight for steps of up to max_tokens rows, else below plain_from rows the oneDNN-packed weight or
-// dense_matmul, else the plain one.
+// quantized weight for steps of up to max_tokens rows, else dense_matmul (float32), else below plain_from
+// rows the oneDNN-packed weight, else the plain one.
 struct FusedMatmul {
   at::Tensor weight;  // [out_features, in_features]
   std::optional<at::Tensor> packed, bias;
-  bool dense = false;  // float32: dense_matmul below plain_from rows
+  bool dense = false;  // float32: dense_matmul at every step size
   std::string quantized;  // "", "groups" (quant_matmul) or "torch_int4"
   at::Tensor codes, scales;  // groups: codes and scales; torch_int4: packed codes and scales_and_zeros
   int64_t bits = 0, max_tokens = 0, plain_from = std::numeric_limits<int64_t>::max();
@@ -58,16 +58,14 @@ struct FusedMatmul {
                                                              scales.to(x.scalar_type()));
       return bias ? out + *bias : out;
     }
-    if (x.size(0) < plain_from) {
-      if (packed) return packed_linear(x, *packed, bias);
-      if (dense) return dense_matmul(x, weight, bias);
-    }
+    if (dense) return dense_matmul(x, weight, bias);
+    if (packed && x.size(0) < plain_from) return packed_linear(x, *packed, bias);
     return at::linear(x, weight, bias);
   }
 
   bool quantized_at(int64_t rows) const { return !quantized.empty() && rows <= max_tokens; }
   bool group_quantized_at(int64_t rows) const { return quantized == "groups" && rows <= max_tokens; }
-  bool dense_at(int64_t rows) const { return !quantized_at(rows) && dense && rows < plain_from; }
+  bool dense_at(int64_t rows) const { return !quantized_at(rows) && dense; }
   // whether a step of `rows` rows runs a kernel a decode region can call: quant_matmul or dense_matmul
   bool runs_in_region_at(int64_t rows) const {
     return (group_quantized_at(rows) && quant_matmul_supported()) || dense_at(rows);

@@ -3,7 +3,7 @@ family does), one rotary table looked up once per step (two for Gemma 3's local 
 layers over the paged KV cache, the final norm and the logits (soft-capped where the family does).
 
 It also owns what the engine does to any model after loading: pre-packing bf16 matmul weights for oneDNN
-(or, in float32, running small steps on the C++ dense_matmul), switching on the C++ kernels (and, for
+(or, in float32, running them on the C++ dense_matmul), switching on the C++ kernels (and, for
 Llama-shaped layers, the fused decode step), quantizing. A family subclasses it and builds `self.layers`.
 """
 
@@ -32,7 +32,7 @@ from nanoserve.model.matmul_choice import (
     choose_max_tokens,
     shape_key,
 )
-from nanoserve.model.pack_choice import DENSE_PLAIN_FROM, choose_dense_limits, choose_layouts
+from nanoserve.model.pack_choice import choose_layouts
 from nanoserve.model.quant import (
     LM_HEAD_QUANT_MAX_ROWS,
     GroupCodes,
@@ -63,8 +63,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.packed_embed: Tensor | None = None  # the tied lm_head packed for oneDNN, see prepack_for_cpu
-        self.dense_embed: DenseMatmul | None = None  # ... or on dense_matmul below embed_plain_from rows
-        self.embed_plain_from = sys.maxsize
+        self.dense_embed: DenseMatmul | None = None  # ... or run on dense_matmul (float32)
         self.quantized_lm_head: QuantizedWeight | None = None  # see quantize
         self.fused_decoder: Any = None
         """kernels.FusedDecoder: the layers of decode-only steps in one C++ call (see use_cpu_kernels)."""
@@ -107,7 +106,7 @@ class CausalLM(nn.Module):
             return self.lm_head(hidden)
         if self.packed_embed is not None:
             return packed_linear(hidden, self.packed_embed, None)
-        if self.dense_embed is not None and hidden.shape[0] < self.embed_plain_from:
+        if self.dense_embed is not None:
             return self.dense_embed(hidden, self.embed_tokens.weight, None)
         return F.linear(hidden, self.embed_tokens.weight)
 
@@ -135,9 +134,9 @@ class CausalLM(nn.Module):
 
     # -- after loading ------------------------------------------------------------------------
 
-    def _unquantized_by_shape(self) -> tuple[list[Linear], dict[tuple[int, int], list[Tensor]], frozenset]:
-        """The Linears, every matmul weight grouped by shape (the tied lm_head's embedding included) and
-        the shapes that only see decode-sized steps (the tied lm_head's rows are the sampled ones)."""
+    def prepack_for_cpu(self, matmul_choice: str = "fixed") -> None:
+        """Pack every matmul weight for oneDNN (CPU, bf16); the weights stay for everything else. Each
+        shape's layout: measured with matmul_choice "auto", else batch 1's (nanoserve.model.pack_choice)."""
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         weights = [module.weight for module in linears]
         embed = self.embed_tokens.weight
@@ -146,13 +145,8 @@ class CausalLM(nn.Module):
         by_shape: dict[tuple[int, int], list[Tensor]] = {}
         for weight in weights:
             by_shape.setdefault((weight.shape[0], weight.shape[1]), []).append(weight)
+        # the tied lm_head's steps are the sampled rows: never prefill-sized
         head = frozenset() if self.lm_head is not None else frozenset({(embed.shape[0], embed.shape[1])})
-        return linears, by_shape, head
-
-    def prepack_for_cpu(self, matmul_choice: str = "fixed") -> None:
-        """Pack every matmul weight for oneDNN (CPU, bf16); the weights stay for everything else. Each
-        shape's layout: measured with matmul_choice "auto", else batch 1's (nanoserve.model.pack_choice)."""
-        linears, by_shape, head = self._unquantized_by_shape()
         fixed = {"batch_hint": 1, "plain_from": sys.maxsize}
         layouts = (
             choose_layouts(by_shape, head) if matmul_choice == "auto" else dict.fromkeys(by_shape, fixed)
@@ -162,26 +156,15 @@ class CausalLM(nn.Module):
             module.prepack(layout["batch_hint"])
             module.plain_from = layout["plain_from"]
         if self.lm_head is None:
-            embed = self.embed_tokens.weight
             self.packed_embed = pack_weight(embed, layouts[(embed.shape[0], embed.shape[1])]["batch_hint"])
 
-    def use_dense_matmul(self, dense: DenseMatmul, matmul_choice: str = "fixed") -> None:
-        """Run float32 matmuls of small steps on dense (the C++ dense_matmul), up to a step size measured
-        per shape with matmul_choice "auto", else DENSE_PLAIN_FROM (nanoserve.model.pack_choice)."""
-        linears, by_shape, head = self._unquantized_by_shape()
-        fixed = {"plain_from": DENSE_PLAIN_FROM}
-        limits = (
-            choose_dense_limits(by_shape, dense, head)
-            if matmul_choice == "auto"
-            else dict.fromkeys(by_shape, fixed)
-        )
-        for module in linears:
-            module.dense = dense
-            module.plain_from = limits[(module.weight.shape[0], module.weight.shape[1])]["plain_from"]
+    def use_dense_matmul(self, dense: DenseMatmul) -> None:
+        """Run every float32 matmul on dense (the C++ dense_matmul), the tied lm_head's included."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.dense = dense
         if self.lm_head is None:
-            embed = self.embed_tokens.weight
             self.dense_embed = dense
-            self.embed_plain_from = limits[(embed.shape[0], embed.shape[1])]["plain_from"]
 
     def use_cpu_kernels(self, kernels: ModuleType, fused_decode: bool = True) -> None:
         """RMSNorm and the MLP's activation in C++; attention takes its kernels from AttentionMetadata.

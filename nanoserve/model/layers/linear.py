@@ -1,5 +1,5 @@
-"""Linear: nn.Linear whose small steps can run on a faster kernel than F.linear (on CPU: oneDNN over a
-pre-packed bf16 weight, or the C++ dense_matmul over a float32 one) and that can carry a quantized copy."""
+"""Linear: nn.Linear whose steps can run on a faster kernel than F.linear (on CPU: oneDNN over a pre-packed
+bf16 weight, or the C++ dense_matmul over a float32 one) and that can carry a quantized copy."""
 
 from __future__ import annotations
 
@@ -39,18 +39,19 @@ class Linear(nn.Linear):
 
     F.linear in bf16 on CPU re-packs the weight into oneDNN's blocked layout on every call, which at
     decode batch sizes costs about as much as the matmul; packing once makes small batches ~1.5-4x faster.
-    In float32, torch's matmul reads a weight at half the memory's speed or less for a few rows, so those
-    steps run on dense_matmul.
+    In float32, torch's matmul reads a weight at half the memory's speed or less for a few rows, so steps
+    run on dense_matmul, all of them: a row's result then never depends on the step's size (with torch's
+    matmul for large steps, a prompt prefilled beside others could decode other greedy tokens than alone).
     Every Linear of a decoder layer is quantized by --quantization (routers are plain nn.Linear, kept
     exact: they choose experts).
     """
 
     packed: Tensor | None = None
     dense: DenseMatmul | None = None
+    """float32: the matmul of every step (see nanoserve/model/kernels/dense_matmul.cpp)."""
     plain_from: int = sys.maxsize
-    """Steps of at least this many rows multiply the plain weight with F.linear, smaller ones the packed
-    weight or dense: for compute-bound prefill steps oneDNN's layout for their size can beat the packed
-    one, and torch's float32 matmul dense_matmul (nanoserve.model.pack_choice)."""
+    """Steps of at least this many rows multiply the plain weight, which oneDNN lays out for their size on
+    every call: for compute-bound prefill steps that can beat the packed layout (nanoserve.model.pack_choice)."""
     quantized: QuantizedWeight | None = None
     """Used for steps of up to quantized.max_tokens rows (see nanoserve.model.quant)."""
 
@@ -72,9 +73,8 @@ class Linear(nn.Linear):
 
     def unquantized(self, input: Tensor, with_bias: bool = True) -> Tensor:
         bias = self.bias if with_bias else None
-        if input.shape[0] < self.plain_from:
-            if self.packed is not None:
-                return packed_linear(input, self.packed, bias)
-            if self.dense is not None:
-                return self.dense(input, self.weight, bias)
+        if self.dense is not None:
+            return self.dense(input, self.weight, bias)
+        if self.packed is not None and input.shape[0] < self.plain_from:
+            return packed_linear(input, self.packed, bias)
         return F.linear(input, self.weight, bias)
