@@ -76,6 +76,7 @@ def cpu_kernels() -> ModuleType | None:
     window, softcap) -> [sum(query_lens), H * D]`, `rope_write_kv(qkv, cos_sin,
     kv_cache, slot_mapping, H, Hkv) -> q`, `rms_norm(x [T, hidden], weight, eps)` and `silu_and_mul(x [T, 2 I])`
     / `gelu_tanh_and_mul(x [T, 2 I]) -> [T, I]`, bfloat16 or float32,
+    `dense_matmul(x, weight, bias)` (float32 x @ weight.T + bias; see nanoserve.model.layers.linear)
     and `quant_matmul(x, codes, scales, bits)` where `quant_matmul_supported()` (see
     nanoserve.model.quant); None when it cannot be built here."""
     name = library_name(cpu_identity())
