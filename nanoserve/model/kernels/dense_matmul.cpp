@@ -14,15 +14,15 @@
 #include "work_split.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace {
 
 typedef float vec8 __attribute__((vector_size(32)));
+typedef float vec4 __attribute__((vector_size(16)));
 
 constexpr int64_t TILE_COLUMNS = 4;
 constexpr int64_t BLOCK_ROWS = 4;
-
-typedef float vec4 __attribute__((vector_size(16)));
 
 inline vec8 load(const float* p) {
   vec8 v;
@@ -63,7 +63,7 @@ void dot_block(const float* x, const float* w, float* out, int64_t k, int64_t n,
   for (int c = 0; c < C; ++c) {
     for (int r = 0; r < R; ++r) {
       float total = lane_sum(acc[c][r]);
-      for (int64_t i = whole; i < k; ++i) total += x[r * k + i] * w[(column + c) * k + i];
+      for (int64_t i = whole; i < k; ++i) total = std::fma(x[r * k + i], w[(column + c) * k + i], total);
       out[r * n + column + c] = total;
     }
   }
@@ -107,13 +107,12 @@ torch::Tensor dense_matmul(torch::Tensor x, torch::Tensor weight, std::optional<
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32,
               "dense_matmul: float32 x and weight");
   TORCH_CHECK(weight.is_contiguous(), "dense_matmul: a contiguous weight");
-  const auto xc = x.contiguous();
   const int64_t rows = x.size(0), n = weight.size(0);
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat32 && bias->numel() == n),
+              "dense_matmul: a float32 bias [N]");
+  const auto xc = x.contiguous();
   auto out = torch::empty({rows, n}, x.options());
   raw::dense_matmul(xc.data_ptr<float>(), rows, x.size(1), weight.data_ptr<float>(), n, out.data_ptr<float>());
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == n, "dense_matmul: a float32 bias [N]");
-    raw::add_bias(out.data_ptr<float>(), bias->contiguous().data_ptr<float>(), rows, n);
-  }
+  if (bias) raw::add_bias(out.data_ptr<float>(), bias->contiguous().data_ptr<float>(), rows, n);
   return out;
 }
