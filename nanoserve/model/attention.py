@@ -199,7 +199,8 @@ def _split_short_queries(
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(array).to(device, non_blocking=True)
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
 def _build_group(
@@ -234,6 +235,9 @@ def _build_group(
         token_index = (starts[:, None] + q_idx).reshape(-1)
         out_rows = np.flatnonzero((np.arange(max_q)[None, :] < q_lens[:, None]).reshape(-1))
         out_index = token_index[out_rows]
+    split = None  # decodes never go to torch's flash attention
+    if max_q > 1:
+        split = _prefill_split(q_lens, s_lens, starts, blocks, block_size, flash_min_query_len)
     return AttentionGroup(
         num_seqs=num_seqs,
         max_query_len=max_q,
@@ -248,7 +252,7 @@ def _build_group(
         query_starts=_to_device(starts, device),
         query_lens=_to_device(q_lens, device),
         device=device,
-        split=_prefill_split(q_lens, s_lens, starts, blocks, block_size, flash_min_query_len),
+        split=split,
     )
 
 

@@ -207,8 +207,11 @@ class ModelRunner:
         if not sampling:
             return RunnerOutput([], [], [], prompt_logprobs)
         drafts = [chunks[i].draft_token_ids for i in sampling]
-        rows = torch.from_numpy(_sampled_rows(np.cumsum(query_lens)[sampling], drafts)).to(self.device)
-        logits = model.compute_logits(hidden.index_select(0, rows)).float().cpu()
+        if len(sampling) < num_tokens:
+            rows = torch.from_numpy(_sampled_rows(np.cumsum(query_lens)[sampling], drafts)).to(self.device)
+            hidden = hidden.index_select(0, rows)
+        # else every row is a sampling chunk's one new token, in order: the logits are all of hidden's
+        logits = model.compute_logits(hidden).float().cpu()
         requests = [chunks[i].request for i in sampling]
         bitmask = scheduled.grammar_bitmask.result() if scheduled.grammar_bitmask is not None else None
         token_lists, logprobs = self.sampler.sample_and_verify(logits, requests, drafts, bitmask)

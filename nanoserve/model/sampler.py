@@ -145,16 +145,12 @@ class Sampler:
             apply_logits_controls(logits, requests, grammar_bitmask)
 
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        uniforms, rewinds = (
-            self._uniforms(requests, spans or [(i, 1) for i in range(len(requests))])
-            if rows
-            else (torch.zeros(len(requests)), [])
-        )
+        if not rows:  # the kernel's rule for greedy rows too: the first index of the maximum
+            return logits.argmax(dim=-1), raw_logits, []
+        uniforms, rewinds = self._uniforms(requests, spans or [(i, 1) for i in range(len(requests))])
         if self.kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
             return self._sample_in_kernel(logits.contiguous(), params, uniforms), raw_logits, rewinds
         token_ids = logits.argmax(dim=-1)
-        if not rows:
-            return token_ids, raw_logits, rewinds
         sampled_params = [params[i] for i in rows]
         temperature = torch.tensor([p.temperature for p in sampled_params], dtype=logits.dtype).unsqueeze(1)
         probs = torch.softmax(logits[rows] / temperature, dim=-1)

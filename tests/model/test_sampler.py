@@ -62,8 +62,14 @@ def test_greedy_picks_the_first_of_tied_maxima_anywhere_in_the_row(kernels, voca
     for row, column in places:
         logits[row, column] = peak
     logits[4, vocab - 2] = peak  # tied with an earlier one: the first wins, as in torch.argmax
-    tokens, _ = Sampler(0, kernels).sample(logits, [make_request(str(i), temperature=0) for i in range(6)])
-    assert tokens == logits.argmax(-1).tolist() == [column for _, column in places]
+    expected = [column for _, column in places]
+    greedy = [make_request(str(i), temperature=0) for i in range(6)]
+    tokens, _ = Sampler(0, kernels).sample(logits, greedy)
+    assert tokens == logits.argmax(-1).tolist() == expected
+    # beside a sampled row, the greedy rows take the sampling path's own maximum (the kernel's, with kernels)
+    with_sampled = torch.cat([logits, logits[:1]])
+    tokens, _ = Sampler(0, kernels).sample(with_sampled, [*greedy, make_request("s", temperature=1.0)])
+    assert tokens[:6] == expected
 
 
 def test_top_k_one_equals_greedy(kernels):
