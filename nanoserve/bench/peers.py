@@ -11,7 +11,9 @@ measured on distinct 512-token prompts, so no prefix cache can serve them.
 
 Each system runs in its own subprocess, one after another, so they never compete for the two cores and
 an import error or crash in one peer becomes an error in its table row. Numbers are min/median/max
-over repeats; ratios use the medians of this one run.
+over repeats; ratios use the medians of this one run. On a shared machine whose speed drifts over
+minutes, `--rounds N` runs the systems in turn N times and pools each one's repeats, so that every
+system is measured across the same stretch of time rather than each in its own.
 """
 
 from __future__ import annotations
@@ -240,6 +242,21 @@ def run_system(system: str, spec_file: Path, log_dir: Path, timeout: float) -> d
     return result
 
 
+def merge_results(earlier: dict | None, later: dict) -> dict:
+    """One system's measurements from two rounds, pooled: the runs of each batch size and the time to
+    first token samples side by side; the first error is kept."""
+    if earlier is None:
+        return later
+    merged: dict[str, Any] = {"error": earlier.get("error") or later.get("error")}
+    for key, _ in MODES:
+        runs = {b: list(v) for b, v in earlier.get(key, {}).items()}
+        for batch, values in later.get(key, {}).items():
+            runs.setdefault(batch, []).extend(values)
+        merged[key] = runs
+    merged["ttft_s"] = earlier.get("ttft_s", []) + later.get("ttft_s", [])
+    return merged
+
+
 def print_table(results: dict[str, dict], batches: list[str], ttft_len: int) -> None:
     """Systems as rows (each greedy, then sampled), batch sizes and time to first token as columns, then
     each nanoserve engine's ratio to each peer, greedy to greedy and sampled to sampled."""
@@ -285,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--ttft-prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the systems in turn this many times, pooling their repeats"
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per system, start-up included")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw tok/s against batch size")
     parser.add_argument(
@@ -297,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
         from nanoserve.bench.plot import require_matplotlib
 
         require_matplotlib()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     systems = args.systems.split(",")
     unknown = set(systems) - set(RUNNERS)
     if unknown:
@@ -324,15 +346,21 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"model {model_path}\nnanoserve dtype auto, vLLM bf16 (llama.cpp: the GGUF as is), {os.cpu_count()} cores, {args.prompt_len}-token "
         f"prompts, {args.new_tokens} new tokens, greedy and sampled (temperature {SAMPLED_TEMPERATURE}, top_p "
-        f"{SAMPLED_TOP_P}), EOS ignored; median (min-max) of {args.repeats}; "
+        f"{SAMPLED_TOP_P}), EOS ignored; median (min-max) of {args.repeats} x {args.rounds} round(s); "
         f"logs in {work_dir}",
         flush=True,
     )
-    results = {}
-    for system in systems:
-        start = time.perf_counter()
-        results[system] = run_system(system, spec_file, work_dir, args.timeout)
-        print(f"  {system_label(system)}: {time.perf_counter() - start:.0f} s", flush=True)
+    results: dict[str, dict] = {}
+    for round_number in range(1, args.rounds + 1):
+        for system in systems:
+            start = time.perf_counter()
+            results[system] = merge_results(
+                results.get(system), run_system(system, spec_file, work_dir, args.timeout)
+            )
+            print(
+                f"  round {round_number}, {system_label(system)}: {time.perf_counter() - start:.0f} s",
+                flush=True,
+            )
     print(
         "\ntok/s; ratios: nanoserve tok/s / peer (higher is better), TTFT nanoserve / peer (lower is better)"
     )

@@ -21,3 +21,44 @@ def test_peers_table_and_plot_with_a_missing_peer(tmp_path, capsys):
     assert rows["nanoserve sampled"].count("(") == 2, out  # batch 1 and 2, sampled
     assert "error: " in out and "llama_cpp" in out
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rounds_take_the_systems_in_turn_and_pool_their_runs(tmp_path, monkeypatch, capsys):
+    """--rounds 2: nanoserve, llama.cpp, nanoserve, llama.cpp; each row's median is over both rounds."""
+    calls = []
+    speeds = {"nanoserve": iter([[100.0, 110.0], [60.0, 70.0]]), "llamacpp": iter([[50.0], [40.0]])}
+
+    def fake_run_system(system, spec_file, log_dir, timeout):
+        calls.append(system)
+        runs = next(speeds[system])
+        return {"tok_s": {"1": runs}, "sampled_tok_s": {"1": runs}, "ttft_s": [0.5], "error": None}
+
+    monkeypatch.setattr(peers, "run_system", fake_run_system)
+    argv = ["--systems", "nanoserve,llamacpp", "--batch-sizes", "1", "--repeats", "2", "--rounds", "2"]
+    peers.main([*argv, "--work-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert calls == ["nanoserve", "llamacpp", "nanoserve", "llamacpp"]
+    rows = {
+        line.split("  ")[0]: line.split()
+        for line in out.splitlines()
+        if line.startswith(("nanoserve", "llama"))
+    }
+    assert rows["nanoserve"][1:3] == ["85.0", "(60-110)"], out  # median of 100, 110, 60, 70
+    assert rows[f"nanoserve/{peers.system_label('llamacpp')}"][-2] == "1.89x", out  # 85 / 45, then TTFT
+
+
+def test_merge_results_keeps_the_first_error():
+    first = {"tok_s": {"1": [1.0]}, "sampled_tok_s": {}, "ttft_s": [0.1], "error": "boom"}
+    second = {
+        "tok_s": {"1": [2.0], "8": [3.0]},
+        "sampled_tok_s": {"1": [4.0]},
+        "ttft_s": [],
+        "error": "later",
+    }
+    merged = peers.merge_results(first, second)
+    assert merged == {
+        "tok_s": {"1": [1.0, 2.0], "8": [3.0]},
+        "sampled_tok_s": {"1": [4.0]},
+        "ttft_s": [0.1],
+        "error": "boom",
+    }
