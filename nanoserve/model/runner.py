@@ -187,20 +187,26 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             block_table[i, : len(c.block_ids)] = c.block_ids
 
-        attn = build_attention_metadata(
-            query_lens,
-            seq_lens,
-            block_table,
-            self.options.block_size,
-            self.device,
-            self.kernels,
-            self.max_decode_query_len,
-            self.flash_min_query_len,
-        )
-        input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        positions_t = torch.from_numpy(positions).to(self.device, non_blocking=True)
         model = self._loaded()
-        hidden = model(input_ids, positions_t, self.kv_caches, attn)
+        input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        if num_tokens == len(chunks) and model.fused_decoder is not None:
+            # the fused decode step looks up what it needs itself: no attention metadata
+            hidden = model.decode(
+                input_ids, self.kv_caches, torch.from_numpy(block_table), torch.from_numpy(seq_lens)
+            )
+        else:
+            attn = build_attention_metadata(
+                query_lens,
+                seq_lens,
+                block_table,
+                self.options.block_size,
+                self.device,
+                self.kernels,
+                self.max_decode_query_len,
+                self.flash_min_query_len,
+            )
+            positions_t = torch.from_numpy(positions).to(self.device, non_blocking=True)
+            hidden = model(input_ids, positions_t, self.kv_caches, attn)
 
         prompt_logprobs = self._prompt_logprobs(chunks, hidden, np.cumsum(query_lens) - query_lens)
         sampling = [i for i, c in enumerate(chunks) if c.samples]

@@ -1,5 +1,6 @@
-// FusedDecoder: the decoder layers of a Llama-shaped model (Llama, Mistral, Qwen2, Qwen3, Phi-3 with full
-// rotation) for a decode step, in one call from Python. Per layer:
+// FusedDecoder: a decode step of a Llama-shaped model (Llama, Mistral, Qwen2, Qwen3, Phi-3 with full rotation)
+// from token ids to the final norm, in one call from Python: the embedding and rotary rows and each new
+// token's cache slot are looked up here, then per layer:
 //   norm -> qkv (+ bias) -> q/k norms -> rope + KV write -> decode attention -> o_proj (+ bias) + residual
 //   -> norm -> gate_up -> act(gate) * up -> down + residual
 // Each stage is the kernel the module path runs for the same step, with the same per-step-size matmul
@@ -17,9 +18,11 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -93,16 +96,24 @@ struct FusedLayer {
 
 class FusedDecoder {
  public:
-  FusedDecoder(std::vector<FusedLayer> layers, at::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads,
-               int64_t head_dim, double eps, double scale, double softcap)
-      : layers_(std::move(layers)), final_norm_(std::move(final_norm)), num_heads_(num_heads),
-        num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale), softcap_(softcap) {}
+  FusedDecoder(std::vector<FusedLayer> layers, at::Tensor final_norm, at::Tensor embedding, at::Tensor rotary,
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, double softcap)
+      : layers_(std::move(layers)), final_norm_(std::move(final_norm)), embedding_(std::move(embedding)),
+        rotary_(std::move(rotary)), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
+        eps_(eps), scale_(scale), softcap_(softcap) {
+    TORCH_CHECK(embedding_.dim() == 2 && embedding_.is_contiguous(), "FusedDecoder: a contiguous embedding");
+    TORCH_CHECK(rotary_.dim() == 3 && rotary_.size(1) == 2 && rotary_.size(2) == head_dim_ && rotary_.is_contiguous() &&
+                    rotary_.scalar_type() == embedding_.scalar_type(),
+                "FusedDecoder: a rotary table [positions, 2, head_dim] in the embedding's dtype");
+  }
 
-  // x: [S, hidden] embeddings of one token per sequence; cos_sin: [S, 2, 1, head_dim]; kv_caches: one per
-  // layer; slot_mapping int64 [S]; block_table int32 [S, B]; seq_lens int64 [S] -> final-norm hidden [S, hidden].
-  at::Tensor forward(at::Tensor x, const at::Tensor& cos_sin, const std::vector<at::Tensor>& kv_caches,
-                     const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens) const {
+  // token_ids int64 [S]: each sequence's newest token, at position seq_lens - 1; kv_caches: one per layer;
+  // block_table int32 [S, B] (entries of blocks behind every layer's window are never read); seq_lens int64
+  // [S] -> final-norm hidden [S, hidden].
+  at::Tensor forward(const at::Tensor& token_ids, const std::vector<at::Tensor>& kv_caches,
+                     const at::Tensor& block_table, const at::Tensor& seq_lens) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "FusedDecoder: one KV cache per layer");
+    auto [x, cos_sin, slot_mapping] = step_inputs(token_ids, kv_caches[0].size(3), block_table, seq_lens);
     if (one_region && one_region_at(x.size(0)) &&
         inputs_fit_one_region(x, cos_sin, kv_caches, slot_mapping, block_table, seq_lens)) {
       return x.scalar_type() == at::kBFloat16
@@ -149,6 +160,43 @@ class FusedDecoder {
   }
 
  private:
+  // The step's embeddings [S, hidden], rotary rows [S, 2, 1, head_dim] and the cache slot each new token's
+  // K/V goes to: what the module path looks up in Python (CausalLM.forward, build_attention_metadata).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> step_inputs(const at::Tensor& token_ids, int64_t block_size,
+                                                             const at::Tensor& block_table,
+                                                             const at::Tensor& seq_lens) const {
+    TORCH_CHECK(token_ids.dim() == 1 && token_ids.scalar_type() == at::kLong, "FusedDecoder: int64 token ids [S]");
+    const int64_t rows = token_ids.size(0), max_blocks = block_table.size(1);
+    TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == rows && seq_lens.scalar_type() == at::kLong,
+                "FusedDecoder: int64 seq_lens [S]");
+    TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == rows && block_table.scalar_type() == at::kInt &&
+                    block_table.is_contiguous(),
+                "FusedDecoder: a contiguous int32 block table [S, B]");
+    const at::Tensor ids = token_ids.contiguous(), lens = seq_lens.contiguous();
+    at::Tensor x = at::empty({rows, embedding_.size(1)}, embedding_.options());
+    at::Tensor cos_sin = at::empty({rows, 2, 1, head_dim_}, rotary_.options());
+    at::Tensor slots = at::empty({rows}, lens.options());
+    const auto* id = ids.data_ptr<int64_t>();
+    const auto* len = lens.data_ptr<int64_t>();
+    const auto* table = block_table.data_ptr<int32_t>();
+    auto* slot = slots.data_ptr<int64_t>();
+    const int64_t x_row = x.size(1) * x.element_size(), rotary_row = 2 * head_dim_ * rotary_.element_size();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t position = len[r] - 1, index = position / block_size;
+      TORCH_CHECK(id[r] >= 0 && id[r] < embedding_.size(0), "FusedDecoder: token id ", id[r], " out of range");
+      TORCH_CHECK(position >= 0 && position < rotary_.size(0) && index < max_blocks,
+                  "FusedDecoder: position ", position, " outside the rotary table or the block table");
+      const int64_t block = table[r * max_blocks + index];
+      TORCH_CHECK(block >= 0, "FusedDecoder: no block for position ", position);
+      std::memcpy(static_cast<char*>(x.data_ptr()) + r * x_row,
+                  static_cast<const char*>(embedding_.data_ptr()) + id[r] * x_row, x_row);
+      std::memcpy(static_cast<char*>(cos_sin.data_ptr()) + r * rotary_row,
+                  static_cast<const char*>(rotary_.data_ptr()) + position * rotary_row, rotary_row);
+      slot[r] = block * block_size + position % block_size;
+    }
+    return {x, cos_sin, slots};
+  }
+
   // ... and whether the step's inputs do: the weights' dtype, contiguous
   bool inputs_fit_one_region(const at::Tensor& x, const at::Tensor& cos_sin, const std::vector<at::Tensor>& kv_caches,
                              const at::Tensor& slot_mapping, const at::Tensor& block_table,
@@ -236,7 +284,7 @@ class FusedDecoder {
   }
 
   std::vector<FusedLayer> layers_;
-  at::Tensor final_norm_;
+  at::Tensor final_norm_, embedding_, rotary_;  // rotary: the cos/sin table [positions, 2, head_dim]
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_, softcap_;
 };
@@ -269,7 +317,8 @@ void register_fused_decoder(pybind11::module& m) {
       .def_readwrite("activation", &FusedLayer::activation)
       .def_readwrite("window", &FusedLayer::window);
   py::class_<FusedDecoder>(m, "FusedDecoder")
-      .def(py::init<std::vector<FusedLayer>, at::Tensor, int64_t, int64_t, int64_t, double, double, double>())
+      .def(py::init<std::vector<FusedLayer>, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double,
+                    double, double>())
       .def_readwrite("one_region", &FusedDecoder::one_region)
       .def("one_region_at", &FusedDecoder::one_region_at)
       .def("forward", &FusedDecoder::forward, py::call_guard<py::gil_scoped_release>());

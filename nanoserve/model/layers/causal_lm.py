@@ -75,19 +75,26 @@ class CausalLM(nn.Module):
         self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor], attn: AttentionMetadata
     ) -> Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]; writes the new K/V into kv_caches."""
+        decode = attn.decode_only
+        if self.fused_decoder is not None and decode is not None:
+            return self.decode(input_ids, kv_caches, decode.block_table, decode.seq_lens)
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
         cos_sin = self.rotary(positions, x.dtype)
-        decode = attn.decode_only
-        if self.fused_decoder is not None and decode is not None:
-            return self.fused_decoder.forward(
-                x, cos_sin, kv_caches, attn.slot_mapping, decode.block_table, decode.seq_lens
-            )
         local_cos_sin = cos_sin if self.local_rotary is None else self.local_rotary(positions, x.dtype)
         for layer, kv_cache, is_local in zip(self.layers, kv_caches, self.is_local, strict=True):
             x = layer(x, local_cos_sin if is_local else cos_sin, kv_cache, attn)
         return self.norm(x)
+
+    def decode(
+        self, input_ids: Tensor, kv_caches: list[Tensor], block_table: Tensor, seq_lens: Tensor
+    ) -> Tensor:
+        """A decode-only step on the fused decoder (which must be there): input_ids [S], each sequence's
+        newest token, at position seq_len - 1; block_table int32 [S, B] as the scheduler keeps it (entries
+        behind a sliding window are never read); seq_lens int64 [S] -> final hidden states [S, hidden]."""
+        assert self.fused_decoder is not None, "decode needs the fused decoder (use_cpu_kernels)"
+        return self.fused_decoder.forward(input_ids, kv_caches, block_table, seq_lens)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> float32 [N, vocab]."""
@@ -176,9 +183,13 @@ class CausalLM(nn.Module):
                 module.kernel = kernels.rms_norm
             elif isinstance(module, GatedMLP):
                 module.kernel = activations[module.activation]
-        layers = fusable_layers(list(self.layers), self.local_rotary is not None)
+        layers = fusable_layers(
+            list(self.layers), self.local_rotary is not None, self.config.embed_scale is not None
+        )
         if fused_decode and layers is not None:
-            self.fused_decoder = build_fused_decoder(layers, self.norm.weight, kernels)
+            embedding = self.embed_tokens.weight
+            table = self.rotary.table_for(embedding.dtype, embedding.device)
+            self.fused_decoder = build_fused_decoder(layers, self.norm.weight, embedding, table, kernels)
 
     def quantize(
         self,

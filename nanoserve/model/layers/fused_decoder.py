@@ -1,9 +1,10 @@
-"""The decoder layers of a decode step in one C++ call (nanoserve/model/kernels/fused_decoder.cpp).
+"""A decode step from token ids to the final norm in one C++ call (nanoserve/model/kernels/fused_decoder.cpp).
 
 A decode step of a small model runs about eleven kernels per layer, each with little work: at batch 1
 the interpreter, the nn.Module calls and the Python bindings between them took as long as the quantized
 matmuls. The fused decoder calls the same kernels, with the same per-step-size matmul choice, one after
-another in C++, so its output is the module path's bit for bit.
+another in C++, so its output is the module path's bit for bit. It also looks up the embeddings, the
+rotary rows and the cache slots itself, so a decode step needs no attention metadata from Python.
 
 It serves models whose every layer is the plain Llama shape (DecoderLayer with a GatedMLP, rotation over
 whole heads, one rotary table): Llama, Mistral, Qwen2, Qwen3, Phi-3. The module path stays the reference
@@ -25,8 +26,11 @@ from nanoserve.model.layers.mlp import GatedMLP
 from nanoserve.model.quant import GroupQuantWeight, TorchInt4Weight
 
 
-def fusable_layers(layers: Sequence[nn.Module], has_local_rotary: bool) -> list[DecoderLayer] | None:
-    """The layers, when every one is the plain Llama shape; else None."""
+def fusable_layers(
+    layers: Sequence[nn.Module], has_local_rotary: bool, scales_embeddings: bool
+) -> list[DecoderLayer] | None:
+    """The layers, when every one is the plain Llama shape and the embeddings are used as they are;
+    else None."""
     plain = [
         layer
         for layer in layers
@@ -34,7 +38,7 @@ def fusable_layers(layers: Sequence[nn.Module], has_local_rotary: bool) -> list[
         and isinstance(layer.mlp, GatedMLP)
         and layer.self_attn.rotary_dim == layer.self_attn.head_dim
     ]
-    return None if has_local_rotary or len(plain) != len(layers) else plain
+    return None if has_local_rotary or scales_embeddings or len(plain) != len(layers) else plain
 
 
 def fused_matmul(kernels: ModuleType, linear: Linear) -> Any:
@@ -57,8 +61,15 @@ def fused_matmul(kernels: ModuleType, linear: Linear) -> Any:
     return matmul
 
 
-def build_fused_decoder(layers: list[DecoderLayer], final_norm_weight: Tensor, kernels: ModuleType) -> Any:
-    """A kernels.FusedDecoder over `layers` (see fusable_layers) and the final norm."""
+def build_fused_decoder(
+    layers: list[DecoderLayer],
+    final_norm_weight: Tensor,
+    embedding: Tensor,
+    rotary_table: Tensor,
+    kernels: ModuleType,
+) -> Any:
+    """A kernels.FusedDecoder over the embedding [vocab, hidden], `layers` (see fusable_layers), the final
+    norm and the rotary table [positions, 2, head_dim] (RotaryEmbedding.table_for)."""
     fused = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -80,6 +91,8 @@ def build_fused_decoder(layers: list[DecoderLayer], final_norm_weight: Tensor, k
     return kernels.FusedDecoder(
         fused,
         final_norm_weight,
+        embedding,
+        rotary_table,
         first.num_heads,
         first.num_kv_heads,
         first.head_dim,

@@ -76,11 +76,15 @@ class RotaryEmbedding(nn.Module):
         table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
         return table.to(device=device, dtype=dtype)
 
+    def table_for(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """[max_positions, 2, dim] in dtype on device, built once."""
+        if self.table is None or self.table.dtype != dtype or self.table.device != device:
+            self.table = self.build_table(dtype, device)
+        return self.table
+
     def forward(self, positions: Tensor, dtype: torch.dtype) -> Tensor:
         """[T] -> [T, 2, 1, dim], ready to broadcast over heads."""
-        if self.table is None or self.table.dtype != dtype or self.table.device != positions.device:
-            self.table = self.build_table(dtype, positions.device)
-        return self.table[positions].unsqueeze(2)
+        return self.table_for(dtype, positions.device)[positions].unsqueeze(2)
 
 
 def apply_rope(x: Tensor, cos_sin: Tensor) -> Tensor:
