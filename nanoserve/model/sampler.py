@@ -145,10 +145,13 @@ class Sampler:
             apply_logits_controls(logits, requests, grammar_bitmask)
 
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if not rows:  # the kernel's rule for greedy rows too: the first index of the maximum
+        in_kernel = self.kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+        if not rows:  # torch's rule and the kernel's: the first index of the maximum
+            if in_kernel:
+                return self.kernels.greedy_rows(logits.contiguous()), raw_logits, []
             return logits.argmax(dim=-1), raw_logits, []
         uniforms, rewinds = self._uniforms(requests, spans or [(i, 1) for i in range(len(requests))])
-        if self.kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        if in_kernel:
             return self._sample_in_kernel(logits.contiguous(), params, uniforms), raw_logits, rewinds
         token_ids = logits.argmax(dim=-1)
         sampled_params = [params[i] for i in rows]

@@ -22,7 +22,8 @@
 //
 // paged_prefill_attention (prefill_attention.cpp): several new tokens per sequence, causal, from the cache.
 // quant_matmul (quant_matmul.cpp): group-quantized weights times int8-quantized activations, for decode.
-// sample_rows (sampling.cpp): temperature, top-k, top-p and min-p sampling, a row per task.
+// sample_rows (sampling.cpp): temperature, top-k, top-p and min-p sampling, a row per task; greedy_rows: the
+// argmax of each row.
 // FusedDecoder (fused_decoder.cpp): a whole decode step of the Llama-shaped families, kernel after kernel.
 #include "kernels.h"
 #include "vec16.h"
@@ -586,5 +587,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul);
   m.def("dense_matmul", &dense_matmul, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"));
   m.def("sample_rows", &sample_rows);
+  m.def("greedy_rows", &greedy_rows);
   register_fused_decoder(m);
 }

@@ -109,5 +109,6 @@ void dense_matmul(const float* x, int64_t rows, int64_t k, const float* weight, 
 
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
                           torch::Tensor top_p, torch::Tensor min_p, torch::Tensor uniforms);
+torch::Tensor greedy_rows(torch::Tensor logits);
 
 void register_fused_decoder(pybind11::module& m);
