@@ -224,3 +224,20 @@ def test_one_region_step_on_the_bundled_model(bundled_gguf_path, dtype, quantiza
 def test_unquantized_bf16_steps_stay_kernel_after_kernel(fused_dir):
     model = _engine(fused_dir, "auto", dtype="bfloat16").runner.model
     assert model is not None and not model.fused_decoder.one_region_at(1)
+
+
+def test_fused_decode_refuses_ids_and_positions_it_has_no_rows_for(fused_dir):
+    """The fused step looks up embeddings, rotary rows and cache slots itself: it raises where an index
+    would run past a table, as torch's lookups do, instead of reading past it."""
+    engine = _engine(fused_dir, "auto")
+    model, caches = engine.runner.model, engine.runner.kv_caches
+    assert model is not None
+    table, ok_id, ok_len = torch.zeros((1, 4), dtype=torch.int32), torch.tensor([5]), torch.tensor([3])
+    vocab = model.embed_tokens.weight.shape[0]
+    with pytest.raises(RuntimeError, match=f"token id {vocab} out of range"):
+        model.decode(torch.tensor([vocab]), caches, table, ok_len)
+    with pytest.raises(RuntimeError, match="position 99 outside"):
+        model.decode(ok_id, caches, table, torch.tensor([100]))  # beyond the 4 blocks of the table
+    with pytest.raises(RuntimeError, match="no block for position 2"):
+        model.decode(ok_id, caches, torch.full((1, 4), -1, dtype=torch.int32), ok_len)
+    assert model.decode(ok_id, caches, table, ok_len).shape == (1, model.config.hidden_size)
