@@ -187,7 +187,7 @@ class CausalLM(nn.Module):
             list(self.layers), self.local_rotary is not None, self.config.embed_scale is not None
         )
         if fused_decode and layers is not None:
-            embedding = self.embed_tokens.weight
+            embedding = self.embed_tokens.weight.contiguous()  # itself, unless a loader left a view
             table = self.rotary.table_for(embedding.dtype, embedding.device)
             self.fused_decoder = build_fused_decoder(layers, self.norm.weight, embedding, table, kernels)
 
