@@ -69,7 +69,8 @@ void quant_matmul_impl(const int8_t* xq, const float* x_scales, const float* x_s
           const float* sc = x_scales + row * groups;
           const float* su = x_sums + row * groups;
           T* o = out + row * n;
-          tiles[std::min<int64_t>(MAX_ROWS, chunk_end - row) - 1](xr, sc, su, codes, scales, o, k, n, tile);
+          tiles[std::min<int64_t>(MAX_ROWS, chunk_end - row) - 1](xr, sc, su, codes, scales, o, k, n, tile,
+                                                                  row == chunk);
         }
       }
     }
