@@ -1,6 +1,7 @@
 // quant_matmul's inner loops on AVX2 (no VNNI; AMD Zen 1-3, Intel before Ice Lake). vpmaddubsw multiplies
 // 32 unsigned codes by 32 signed activations and adds neighbours into 16-bit sums, vpmaddwd widens those
-// to one int32 per column. A register holds 8 of a tile's 16 columns, so a tile is two passes of 8.
+// to one int32 per column. A register holds 8 of a tile's 16 columns: one or two rows take both halves in
+// one pass, more rows two passes of 8 (tile_rows).
 //
 // 4 bits: a pair of products is at most 2 * 15 * 127, so a whole group's eight quads add up in 16 bits
 // (8 * 3810 < 32767) and are widened once. 8 bits: code * 127 does not fit, so each code is taken as
