@@ -71,6 +71,22 @@ torch::Tensor dense_matmul(torch::Tensor x, torch::Tensor weight, std::optional<
 namespace quant_isa {
 constexpr int64_t GROUP = 32;
 constexpr int64_t TILE = 16;
+
+#if defined(__AVX2__)
+// The codes and scales of the group PREFETCH_BYTES of codes ahead, into L1: the hardware prefetchers alone
+// left the tile loops waiting on memory. Both loops were measured reading weights of SmolLM2's shapes
+// cold, one row, 2 threads, with and without it: on a Zen 1 (AVX2; 22.6 GB/s) one pass over both halves
+// and the prefetch took gate_up from 9.6 to 13-14 GB/s and a batch-1 decode step to 0.82x the time; on
+// an AVX-512 Xeon gate_up went from 42 to 48 GB/s, down from 42 to 46 and the 8-bit lm_head from 44 to 51.
+constexpr int64_t PREFETCH_BYTES = 4096;
+template <int BITS>
+inline void prefetch_group_ahead(const uint8_t* codes, const at::Half* scales) {
+  constexpr int64_t group_bytes = GROUP * TILE * BITS / 8, scale_bytes = 2 * TILE * sizeof(at::Half);
+  for (int64_t line = 0; line < group_bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(codes) + PREFETCH_BYTES + line, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(scales) + PREFETCH_BYTES / group_bytes * scale_bytes, _MM_HINT_T0);
+}
+#endif
 }  // namespace quant_isa
 
 // The activations' int8 copy, per-group scales and sums: rows * k, rows * k / 32 and rows * k / 32.

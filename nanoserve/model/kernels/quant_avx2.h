@@ -84,19 +84,6 @@ inline void group_dots(const uint8_t* c, const int8_t* const x[ROWS], __m256i do
   }
 }
 
-// The codes and scales of the group PREFETCH_BYTES of codes ahead, into L1: on a Zen 1 the hardware
-// prefetchers alone left this loop waiting on memory. There (2 threads, 30 gate_up weights read cold, of a
-// 22.6 GB/s read bandwidth) the codes came in at 9.6 GB/s before, 10.5 with the prefetch, 13-14 with it and
-// one pass over both halves; a batch-1 decode step took 0.82x the time.
-constexpr int64_t PREFETCH_BYTES = 4096;
-template <int BITS>
-inline void prefetch_group_ahead(const uint8_t* c, const at::Half* s) {
-  constexpr int64_t group_bytes = GROUP * TILE * BITS / 8, scale_bytes = 2 * TILE * sizeof(at::Half);
-  for (int64_t line = 0; line < group_bytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(c) + PREFETCH_BYTES + line, _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(s) + PREFETCH_BYTES / group_bytes * scale_bytes, _MM_HINT_T0);
-}
-
 // out columns of one tile for ROWS rows of quantized x (the layout's 64-byte quad vectors hold columns 0-7
 // in their first 32 bytes, 8-15 in the second). Up to two rows take all 16 columns in one pass; more rows'
 // sums and accumulators would not fit the 16 registers, so they take 8 columns a pass. `prefetch`: fetch

@@ -43,16 +43,17 @@ inline void store(at::BFloat16* out, __m512 values) {  // round to nearest even,
 // out columns of one tile for ROWS rows of quantized x. The rows' dot products advance together, quad by
 // quad: one row's 8 dependent VNNI steps alone would wait on each other's latency. Each activation quad
 // is a broadcast memory operand of the VNNI instruction itself (GCC does not fold the broadcast).
-// `prefetch` is the AVX2 path's (quant_avx2.h): software prefetch has not been measured on an AVX-512 CPU.
+// `prefetch`: fetch the codes ahead (the first of a tile's passes over the same codes).
 template <int BITS, int ROWS, typename T>
 void tile_rows(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
-               const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile, bool /*prefetch*/) {
+               const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile, bool prefetch) {
   const int64_t groups = k / GROUP, group_bytes = GROUP * TILE * BITS / 8;
   const uint8_t* c = codes + tile * groups * group_bytes;
   const at::Half* s = scales + tile * groups * 2 * TILE;
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, c += group_bytes, s += 2 * TILE) {
+    if (prefetch) prefetch_group_ahead<BITS>(c, s);
     __m512i quads[8];
     load_group<BITS>(c, quads);
     __m512i dot[ROWS];
