@@ -87,7 +87,7 @@ inline void group_dots(const uint8_t* c, const int8_t* const x[ROWS], __m256i do
 // out columns of one tile for ROWS rows of quantized x (the layout's 64-byte quad vectors hold columns 0-7
 // in their first 32 bytes, 8-15 in the second). Up to two rows take all 16 columns in one pass; more rows'
 // sums and accumulators would not fit the 16 registers, so they take 8 columns a pass. `prefetch`: fetch
-// the codes ahead (the first of a tile's passes over the same codes).
+// the codes ahead, in the first pass (set for a chunk's first block of rows: later blocks find them cached).
 template <int BITS, int ROWS, typename T>
 void tile_rows(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
                const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile, bool prefetch) {

@@ -43,7 +43,7 @@ inline void store(at::BFloat16* out, __m512 values) {  // round to nearest even,
 // out columns of one tile for ROWS rows of quantized x. The rows' dot products advance together, quad by
 // quad: one row's 8 dependent VNNI steps alone would wait on each other's latency. Each activation quad
 // is a broadcast memory operand of the VNNI instruction itself (GCC does not fold the broadcast).
-// `prefetch`: fetch the codes ahead (the first of a tile's passes over the same codes).
+// `prefetch`: fetch the codes ahead (set for a chunk's first block of rows: later blocks find them cached).
 template <int BITS, int ROWS, typename T>
 void tile_rows(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
                const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile, bool prefetch) {
