@@ -70,14 +70,15 @@ inline void score_rows_avx2(const T* k, int64_t n, int64_t per_kv, const float* 
                             int64_t block_size) {
   for (int64_t first = 0; first < n; first += 8, k += 8 * D) {
     const int64_t keys = std::min<int64_t>(8, n - first);
+    const T* rows[8];  // past the block's end, its last row again: computed, never stored
+    for (int64_t t = 0; t < 8; ++t) rows[t] = k + std::min(t, keys - 1) * D;
     for (int64_t h = 0; h < per_kv; ++h) {
       const float* qh = query + h * D;
       __m256 dots[8];
-      for (int64_t t = 0; t < 8; ++t) {
-        dots[t] = _mm256_setzero_ps();
-        if (t >= keys) continue;  // rows past the block's end are never read
-        for (int64_t d = 0; d < D; d += 8)
-          dots[t] = _mm256_fmadd_ps(load8(k + t * D + d), _mm256_loadu_ps(qh + d), dots[t]);
+      for (int t = 0; t < 8; ++t) dots[t] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {  // 8 chains of FMAs side by side: one alone waits on each step
+        const __m256 qd = _mm256_loadu_ps(qh + d);
+        for (int t = 0; t < 8; ++t) dots[t] = _mm256_fmadd_ps(load8(rows[t] + d), qd, dots[t]);
       }
       alignas(32) float sums[8];
       _mm256_store_ps(sums, sum_each8(dots));
@@ -85,7 +86,44 @@ inline void score_rows_avx2(const T* k, int64_t n, int64_t per_kv, const float* 
     }
   }
 }
+
+// acc[d] += the sum over t < n of p[t] * v[t * D + d]: up to 64 columns a pass, their sums in 8 registers
+template <int D>
+inline void add_weighted_rows_avx2(const float* p, const float* v, int64_t n, float* acc) {
+  constexpr int PASS = 64;
+  for (int c = 0; c < D; c += PASS) {
+    const int regs = std::min(PASS, D - c) / 8;
+    __m256 sum[PASS / 8];
+    for (int j = 0; j < regs; ++j) sum[j] = _mm256_loadu_ps(acc + c + 8 * j);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 weight = _mm256_broadcast_ss(p + t);
+      for (int j = 0; j < regs; ++j) sum[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + t * D + c + 8 * j), sum[j]);
+    }
+    for (int j = 0; j < regs; ++j) _mm256_storeu_ps(acc + c + 8 * j, sum[j]);
+  }
+}
 #endif
+
+// acc[d] += the sum over t < n of p[t] * v[t * D + d], for one query head and the n V rows of a block
+template <int FIXED_D>
+inline void add_weighted_rows(const float* p, const float* v, int64_t n, int64_t D, float* acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (FIXED_D > 0 && FIXED_D % 8 == 0) {
+    add_weighted_rows_avx2<FIXED_D>(p, v, n, acc);
+    return;
+  }
+#endif
+  if constexpr (FIXED_D > 0) {  // the head's sums in registers across the block
+    float sum[FIXED_D > 0 ? FIXED_D : 1];
+    for (int64_t d = 0; d < D; ++d) sum[d] = acc[d];
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < D; ++d) sum[d] += p[t] * v[t * D + d];
+    for (int64_t d = 0; d < D; ++d) acc[d] = sum[d];
+  } else {
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < D; ++d) acc[d] += p[t] * v[t * D + d];
+  }
+}
 
 // scores[h * block_size + t] = scale * q_h . k_t for the n cached K rows of one block (query: q * scale)
 template <typename T, int FIXED_D>
@@ -234,20 +272,8 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
           v_rows = v;  // read in place
         else
           for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(v[i]);
-        for (int64_t h = 0; h < per_kv; ++h) {
-          const float* p = scores.data() + h * block_size;
-          float* a = acc + h * D;
-          if constexpr (FIXED_D > 0) {  // the head's sums in registers across the block
-            float sum[FIXED_D > 0 ? FIXED_D : 1];
-            for (int64_t d = 0; d < D; ++d) sum[d] = a[d];
-            for (int64_t t = 0; t < n; ++t)
-              for (int64_t d = 0; d < D; ++d) sum[d] += p[t] * v_rows[t * D + d];
-            for (int64_t d = 0; d < D; ++d) a[d] = sum[d];
-          } else {
-            for (int64_t t = 0; t < n; ++t)
-              for (int64_t d = 0; d < D; ++d) a[d] += p[t] * v_rows[t * D + d];
-          }
-        }
+        for (int64_t h = 0; h < per_kv; ++h)
+          add_weighted_rows<FIXED_D>(scores.data() + h * block_size, v_rows, n, D, acc + h * D);
         position += n;
       }
     }

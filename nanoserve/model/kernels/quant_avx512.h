@@ -12,6 +12,14 @@ namespace quant_isa {
 
 constexpr int MAX_ROWS = 8;  // rows of x per pass over a tile, their sums in registers (16 spill)
 
+// x as the tile loops read it: the int8 rows (the AVX2 loops also take a broadcast copy of one or two rows)
+struct Activations {
+  const int8_t* xq;  // [rows, k]
+  int64_t k;
+  Activations from_row(int64_t row) const { return {xq + row * k, k}; }
+};
+inline Activations prepare_activations(const int8_t* xq, int64_t, int64_t k) { return {xq, k}; }
+
 inline __m512 half_to_float(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -45,7 +53,7 @@ inline void store(at::BFloat16* out, __m512 values) {  // round to nearest even,
 // is a broadcast memory operand of the VNNI instruction itself (GCC does not fold the broadcast).
 // `prefetch`: fetch the codes ahead (set for a chunk's first block of rows: later blocks find them cached).
 template <int BITS, int ROWS, typename T>
-void tile_rows(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
+void tile_rows(const Activations& x, const float* x_scales, const float* x_sums, const uint8_t* codes,
                const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile, bool prefetch) {
   const int64_t groups = k / GROUP, group_bytes = GROUP * TILE * BITS / 8;
   const uint8_t* c = codes + tile * groups * group_bytes;
@@ -60,7 +68,7 @@ void tile_rows(const int8_t* xq, const float* x_scales, const float* x_sums, con
     for (int r = 0; r < ROWS; ++r) dot[r] = _mm512_setzero_si512();
     for (int q = 0; q < 8; ++q) {
       for (int r = 0; r < ROWS; ++r) {
-        const int32_t* xg = reinterpret_cast<const int32_t*>(xq + r * k + g * GROUP);  // 4 inputs per int32
+        const int32_t* xg = reinterpret_cast<const int32_t*>(x.xq + r * k + g * GROUP);  // 4 inputs per int32
         __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(dot[r]) : "v"(quads[q]), "m"(xg[q]));
       }
     }

@@ -61,16 +61,16 @@ void quant_matmul_impl(const int8_t* xq, const float* x_scales, const float* x_s
   const int64_t groups = k / GROUP;
   static constexpr auto tiles = tile_kernels<BITS, T>(std::make_integer_sequence<int, MAX_ROWS>{});
   split_work(0, n / TILE, 4, [&](int64_t begin, int64_t end) {
+    const quant_isa::Activations x = quant_isa::prepare_activations(xq, rows, k);
     for (int64_t chunk = 0; chunk < rows; chunk += CHUNK_ROWS) {
       const int64_t chunk_end = std::min(rows, chunk + CHUNK_ROWS);
       for (int64_t tile = begin; tile < end; ++tile) {
         for (int64_t row = chunk; row < chunk_end; row += MAX_ROWS) {
-          const int8_t* xr = xq + row * k;
           const float* sc = x_scales + row * groups;
           const float* su = x_sums + row * groups;
           T* o = out + row * n;
-          tiles[std::min<int64_t>(MAX_ROWS, chunk_end - row) - 1](xr, sc, su, codes, scales, o, k, n, tile,
-                                                                  row == chunk);
+          tiles[std::min<int64_t>(MAX_ROWS, chunk_end - row) - 1](x.from_row(row), sc, su, codes, scales, o, k, n,
+                                                                  tile, row == chunk);
         }
       }
     }
