@@ -8,6 +8,13 @@ ids)), so equal hashes mean equal whole prefixes. A new request whose leading bl
 blocks shares them (ref count + 1) instead of recomputing them. A freed block keeps its hash and stays
 in the pool as an evictable free block until a fresh allocation needs it (least recently freed first).
 
+Where the chain of whole-block hits ends, the request's next tokens may still begin a cached block with
+the same parent: the same prompt sent again (its last block holds the last prompt token, which must be
+computed), or a shared prefix that ends inside a block. That block is copied into a fresh block of the
+request's own (copy on write: the copy's later slots are overwritten), the shared tokens count as
+computed, and only the rest is: a repeated prompt computes one token instead of up to a block of them.
+The runner makes the copies (`take_block_copies`) before the step's forward pass writes any slot.
+
 Sliding windows: when every layer of the model attends only to the last `sliding_window` positions, the
 blocks wholly behind the window of a request's next query are never read again. Each allocation frees
 them first; their table entries become NULL_BLOCK, so a long request holds about window / block_size
@@ -38,6 +45,12 @@ class KVCacheManager:
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
         self._hash_to_block: dict[int, int] = {}
+        self._block_contents: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks
+        """Each named block's parent hash and token ids, for partial hits."""
+        self._children: dict[tuple[int, int], dict[int, None]] = {}
+        """(parent hash, first token id) -> the named blocks that continue that parent with that token."""
+        self._block_copies: list[tuple[int, int]] = []
+        """(source, destination) block pairs to copy before the next forward pass, in this order."""
         # Free blocks come from two places: never-hashed blocks (a stack, handed out first) and cached
         # blocks nobody uses (an ordered dict, oldest first: the LRU eviction order). Both are O(1).
         self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -79,7 +92,8 @@ class KVCacheManager:
             hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
 
     def get_computed_blocks(self, request: Request) -> int:
-        """Leading tokens of `request` whose K/V are in the prefix cache (a multiple of block_size).
+        """Leading tokens of `request` whose K/V are in the prefix cache: whole blocks whose chained hashes
+        hit, then the tokens a cached block shares with what follows (`_partial_hit`).
 
         The last token is never served from the cache, so the request still computes one token and
         samples from it. Allocates nothing; pass the result to `allocate_slots` in the same step.
@@ -93,7 +107,28 @@ class KVCacheManager:
             if h not in self._hash_to_block:
                 break
             num_hit += 1
-        return num_hit * self.block_size
+        _, num_shared = self._partial_hit(request, num_hit)
+        return num_hit * self.block_size + num_shared
+
+    def _partial_hit(self, request: Request, num_full_hits: int) -> tuple[int | None, int]:
+        """The named block under the parent of the request's block after its whole-block hits that shares
+        the most leading tokens with the request's tokens there (its last token excluded), and how many;
+        (None, 0) when none shares any."""
+        bs = self.block_size
+        start = num_full_hits * bs
+        wanted = request.all_token_ids[start : min(start + bs, request.num_tokens - 1)]
+        if not wanted:
+            return None, 0
+        parent = request.block_hashes[num_full_hits - 1] if num_full_hits else _ROOT_HASH
+        best: tuple[int | None, int] = (None, 0)
+        for block in self._children.get((parent, wanted[0]), ()):
+            contents = self._block_contents[block]
+            assert contents is not None, "named blocks keep their contents"
+            pairs = zip(contents[1], wanted, strict=False)
+            shared = next((i for i, (a, b) in enumerate(pairs) if a != b), len(wanted))
+            if shared > best[1]:
+                best = (block, shared)
+        return best
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Name the request's newly full and computed blocks in the prefix cache.
@@ -118,6 +153,10 @@ class KVCacheManager:
             if h not in self._hash_to_block and self._block_hash[block] is None:
                 self._hash_to_block[h] = block
                 self._block_hash[block] = h
+                parent = request.block_hashes[i - 1] if i else _ROOT_HASH
+                tokens = tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
+                self._block_contents[block] = (parent, tokens)
+                self._children.setdefault((parent, tokens[0]), {})[block] = None
         self._num_registered[request.request_id] = num_full
 
     def reset_prefix_cache(self) -> bool:
@@ -126,6 +165,8 @@ class KVCacheManager:
             return False
         self._hash_to_block.clear()
         self._block_hash = [None] * self.num_blocks
+        self._block_contents = [None] * self.num_blocks
+        self._children.clear()
         self._free_uncached.extend(self._free_cached)
         self._free_cached.clear()
         return True
@@ -140,21 +181,34 @@ class KVCacheManager:
         assert block_hash is not None, "cached free blocks all have hashes"
         del self._hash_to_block[block_hash]
         self._block_hash[block] = None
+        contents = self._block_contents[block]
+        assert contents is not None, "named blocks keep their contents"
+        self._block_contents[block] = None
+        key = (contents[0], contents[1][0])
+        del self._children[key][block]
+        if not self._children[key]:
+            del self._children[key]
         return block
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
         """Grow the request's table so that num_computed_tokens + num_cached_tokens + num_new_tokens fit.
 
         On the request's first allocation, `num_cached_tokens` (from `get_computed_blocks`) selects the
-        shared cached blocks that start its table; later ones first free the blocks behind the sliding
-        window. Returns False, allocating nothing, when the pool is too small.
+        shared cached blocks that start its table, and the block its partial hit copies; later ones first
+        free the blocks behind the sliding window. Returns False, allocating nothing, when the pool is too small.
         """
         bs = self.block_size
         table = self._tables.get(request.request_id)
         hit_blocks: list[int] = []
+        copy_from: int | None = None
         if table is None:
             hit_blocks = [self._hash_to_block[h] for h in request.block_hashes[: num_cached_tokens // bs]]
             table_len = len(hit_blocks)
+            if num_cached_tokens % bs:
+                copy_from, num_shared = self._partial_hit(request, table_len)
+                assert copy_from is not None and num_shared >= num_cached_tokens % bs, (
+                    "from get_computed_blocks"
+                )
         else:
             assert num_cached_tokens == 0, "cached tokens are only taken at the first allocation"
             self._free_behind_window(request, table)
@@ -172,7 +226,7 @@ class KVCacheManager:
             self._num_skipped[request.request_id] = 0
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += len(hit_blocks) * bs
+                self.prefix_cache_hits += num_cached_tokens
             for b in hit_blocks:
                 if self._ref_counts[b] == 0:
                     del self._free_cached[b]
@@ -182,7 +236,17 @@ class KVCacheManager:
             b = self._pop_free_block()
             self._ref_counts[b] = 1
             table.append(b)
+        if copy_from is not None:
+            # copy_from may have been evicted (even into this very table) by the pops above: its slots
+            # stay as they are until a forward pass writes them, after the copies
+            self._block_copies.append((copy_from, table[len(hit_blocks)]))
         return True
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies the allocations since the last call asked for, to make
+        in this order before the forward pass that follows."""
+        copies, self._block_copies = self._block_copies, []
+        return copies
 
     def _free_behind_window(self, request: Request, table: list[int]) -> None:
         """Free the blocks no query from num_computed_tokens on can see: the next query, at position

@@ -153,6 +153,7 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(request, num_new, kv.block_ids(request.request_id)))
             budget -= num_new
         self.waiting.extendleft(reversed(awaiting_grammar))
+        out.block_copies = kv.take_block_copies()
         return out
 
     def _drafts(self, request: Request, budget: int) -> list[int]:

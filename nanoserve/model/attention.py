@@ -294,6 +294,14 @@ def allocate_kv_cache(
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
+def copy_kv_blocks(kv_caches: list[torch.Tensor], copies: list[tuple[int, int]]) -> None:
+    """Copy whole blocks, every layer's K and V, one (source, destination) pair after another: a later
+    pair may read a block an earlier one wrote."""
+    for source, destination in copies:
+        for cache in kv_caches:
+            cache[:, :, destination].copy_(cache[:, :, source])
+
+
 def kv_cache_bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:

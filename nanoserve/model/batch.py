@@ -106,6 +106,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     """Decodes first, then prefills, in the order the runner lays out the batch."""
     preempted_request_ids: list[str] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) KV blocks to copy, in order, before the forward pass (prefix-cache partial
+    hits: KVCacheManager)."""
     grammar_bitmask: Future[torch.Tensor] | None = None
     """Being filled while the model runs: for each sampling chunk with a grammar, in chunk order, one row
     per sampled position (1 + its draft tokens), each as the grammar stands after the drafts before it."""

@@ -15,7 +15,12 @@ import numpy as np
 import torch
 
 from nanoserve.config import EngineOptions
-from nanoserve.model.attention import allocate_kv_cache, build_attention_metadata, kv_cache_bytes_per_block
+from nanoserve.model.attention import (
+    allocate_kv_cache,
+    build_attention_metadata,
+    copy_kv_blocks,
+    kv_cache_bytes_per_block,
+)
 from nanoserve.model.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.flash_prefill import choose_min_query_len
@@ -162,6 +167,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        copy_kv_blocks(self.kv_caches, scheduled.block_copies)
         chunks = scheduled.chunks
         query_lens = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(chunks))
         starts = np.fromiter(

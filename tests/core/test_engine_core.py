@@ -60,6 +60,25 @@ def test_prefix_cache_hit_gives_same_tokens(tiny_gqa_dir):
     assert a[3] == 0 and b[3] == 24, "the 6 shared full blocks should come from the prefix cache"
 
 
+def test_partial_block_hits_give_same_tokens(tiny_gqa_dir):
+    """A repeated prompt computes only its last token, a prompt that shares a prefix ending inside a
+    block computes from there: the blocks they start from are copies, the cached ones stay intact."""
+    prompt = make_prompts(1, seed=3, lengths=(26,))[0]
+    branch = prompt[:25] + [31, 32]
+    expected = hf_greedy(tiny_gqa_dir, [prompt, branch])
+    engine = tiny_engine(tiny_gqa_dir)
+    engine.add_request(request("a", prompt))
+    assert run_to_completion(engine)["a"][0] == expected[0]
+    engine.add_request(request("again", prompt))
+    again = run_to_completion(engine)["again"]
+    assert again[0] == expected[0] and again[3] == 25
+    engine.add_request(request("branch", branch))
+    engine.add_request(request("third", prompt))
+    results = run_to_completion(engine)
+    assert results["branch"][0] == expected[1] and results["branch"][3] == 25
+    assert results["third"][0] == expected[0] and results["third"][3] == 25
+
+
 def test_first_token_carries_queue_and_schedule_times(tiny_gqa_dir):
     # max_num_seqs=1: the second request waits in the queue while the first runs
     engine = tiny_engine(tiny_gqa_dir, max_num_seqs=1)

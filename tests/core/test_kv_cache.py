@@ -96,11 +96,59 @@ def test_differing_block_breaks_the_chain():
 
 def test_last_token_is_always_computed():
     kv = KVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
-    admit(kv, make_request("a", list(range(8))))
-    # the whole 8-token prompt is cached, but one token must be computed to sample from
+    a = make_request("a", list(range(8)))
+    admit(kv, a)
+    # the whole 8-token prompt is cached, but one token must be computed to sample from: the first block
+    # is shared, the first 3 tokens of the second come from a copy of a's second block
     b = make_request("b", list(range(8)))
-    assert kv.get_computed_blocks(b) == 4
+    assert kv.get_computed_blocks(b) == 7
+    assert kv.allocate_slots(b, 1, 7)
+    a_blocks, b_blocks = kv.block_ids("a"), kv.block_ids("b")
+    assert b_blocks[0] == a_blocks[0] and b_blocks[1] != a_blocks[1]
+    assert kv.take_block_copies() == [(a_blocks[1], b_blocks[1])]
+    assert kv.take_block_copies() == []
     assert kv.get_computed_blocks(make_request("c", list(range(9)))) == 8
+
+
+def test_prefix_that_ends_inside_a_block_hits_its_tokens():
+    kv = KVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    admit(kv, make_request("a", list(range(10))))
+    # 0-3 whole, then 4 and 5 of a's second block: 6 tokens, the second block a private copy
+    b = make_request("b", [0, 1, 2, 3, 4, 5, 90, 91, 92])
+    assert admit(kv, b) == 6
+    assert kv.take_block_copies() == [(kv.block_ids("a")[1], kv.block_ids("b")[1])]
+    assert kv.prefix_cache_hits == 6
+    # the copy is b's own block, named for its own tokens
+    assert kv.get_computed_blocks(make_request("c", [0, 1, 2, 3, 4, 5, 90, 91, 92, 93])) == 8
+    # a partial hit in the first block: its parent is the root
+    assert kv.get_computed_blocks(make_request("d", [0, 1, 70, 71, 72])) == 2
+    assert kv.get_computed_blocks(make_request("e", [5, 1, 2, 3, 4])) == 0
+
+
+def test_evicted_blocks_give_no_partial_hits():
+    kv = KVCacheManager(num_blocks=2, block_size=BS, enable_prefix_caching=True)
+    a = make_request("a", list(range(8)))
+    admit(kv, a)
+    kv.free(a)
+    b = make_request("b", list(range(100, 108)))  # evicts both of a's blocks
+    admit(kv, b)
+    kv.free(b)
+    assert kv.get_computed_blocks(make_request("c", [0, 1, 2, 3, 4, 5, 6, 7])) == 0
+    assert kv.get_computed_blocks(make_request("d", [100, 101, 102, 103, 104, 105, 106, 107])) == 7
+
+
+def test_a_partial_hit_on_a_block_evicted_by_its_own_allocation():
+    """With no other free block, the copy's source is evicted into the request's own table: its slots
+    are still intact when the copy is made, before any forward pass."""
+    kv = KVCacheManager(num_blocks=2, block_size=BS, enable_prefix_caching=True)
+    a = make_request("a", list(range(8)))
+    admit(kv, a)
+    kv.free(a)  # a's blocks: evictable, the second (a tail block) first
+    b = make_request("b", list(range(8)))
+    assert admit(kv, b) == 7
+    source, destination = kv.take_block_copies()[0]
+    assert kv.block_ids("b")[1] == destination
+    assert source == destination  # the block was its own source: nothing to move
 
 
 def test_generated_tokens_become_cached():
