@@ -381,18 +381,13 @@ namespace {
 template <typename T>
 __attribute__((noinline)) void norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden,
                                          float eps) {
-  std::vector<float> w(hidden), row(hidden);
-  for (int64_t i = 0; i < hidden; ++i) w[i] = to_float(weight[i]);
   for (int64_t r = 0; r < rows; ++r) {
     const T* in = x + r * hidden;
     float squares = 0.f;
-    for (int64_t i = 0; i < hidden; ++i) {
-      row[i] = to_float(in[i]);
-      squares += row[i] * row[i];
-    }
+    for (int64_t i = 0; i < hidden; ++i) squares += to_float(in[i]) * to_float(in[i]);
     const float inv_rms = 1.f / std::sqrt(squares / hidden + eps);
-    T* o = out + r * hidden;  // may be x: the row is read whole first
-    for (int64_t i = 0; i < hidden; ++i) o[i] = static_cast<T>(row[i] * inv_rms * w[i]);
+    T* o = out + r * hidden;  // may be x: each element is read before it is written
+    for (int64_t i = 0; i < hidden; ++i) o[i] = static_cast<T>(to_float(in[i]) * inv_rms * to_float(weight[i]));
   }
 }
 
@@ -473,10 +468,10 @@ void rope_rows(const T* qkv, const T* cos_sin, T* q_out, T* cache, const int64_t
             continue;
           }
         }
-        for (int64_t i = 0; i < head_dim; ++i) {
-          const float rotated = to_float(x[i < half ? i + half : i - half]);
-          dst[i] = static_cast<T>(to_float(x[i]) * to_float(cos[i]) + rotated * to_float(sin[i]));
-        }
+        for (int64_t i = 0; i < half; ++i)  // two loops without a select: both vectorize
+          dst[i] = static_cast<T>(to_float(x[i]) * to_float(cos[i]) + to_float(x[i + half]) * to_float(sin[i]));
+        for (int64_t i = half; i < head_dim; ++i)
+          dst[i] = static_cast<T>(to_float(x[i]) * to_float(cos[i]) + to_float(x[i - half]) * to_float(sin[i]));
       }
     }
   });
