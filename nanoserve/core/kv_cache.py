@@ -23,6 +23,7 @@ blocks instead of its whole length.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import OrderedDict
 
 from nanoserve.core.request import Request
@@ -47,8 +48,9 @@ class KVCacheManager:
         self._hash_to_block: dict[int, int] = {}
         self._block_contents: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks
         """Each named block's parent hash and token ids, for partial hits."""
-        self._children: dict[tuple[int, int], dict[int, None]] = {}
-        """(parent hash, first token id) -> the named blocks that continue that parent with that token."""
+        self._children: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+        """Parent hash -> (token ids, block) of the named blocks that continue it, in token order: the
+        one sharing the most leading tokens with a sequence sits next to where that sequence would go."""
         self._block_copies: list[tuple[int, int]] = []
         """(source, destination) block pairs to copy before the next forward pass, in this order."""
         # Free blocks come from two places: never-hashed blocks (a stack, handed out first) and cached
@@ -120,11 +122,11 @@ class KVCacheManager:
         if not wanted:
             return None, 0
         parent = request.block_hashes[num_full_hits - 1] if num_full_hits else _ROOT_HASH
+        children = self._children.get(parent, [])
+        at = bisect_left(children, (tuple(wanted),))
         best: tuple[int | None, int] = (None, 0)
-        for block in self._children.get((parent, wanted[0]), ()):
-            contents = self._block_contents[block]
-            assert contents is not None, "named blocks keep their contents"
-            pairs = zip(contents[1], wanted, strict=False)
+        for tokens, block in children[max(at - 1, 0) : at + 1]:
+            pairs = zip(tokens, wanted, strict=False)
             shared = next((i for i, (a, b) in enumerate(pairs) if a != b), len(wanted))
             if shared > best[1]:
                 best = (block, shared)
@@ -156,7 +158,7 @@ class KVCacheManager:
                 parent = request.block_hashes[i - 1] if i else _ROOT_HASH
                 tokens = tuple(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
                 self._block_contents[block] = (parent, tokens)
-                self._children.setdefault((parent, tokens[0]), {})[block] = None
+                insort(self._children.setdefault(parent, []), (tokens, block))
         self._num_registered[request.request_id] = num_full
 
     def reset_prefix_cache(self) -> bool:
@@ -184,10 +186,11 @@ class KVCacheManager:
         contents = self._block_contents[block]
         assert contents is not None, "named blocks keep their contents"
         self._block_contents[block] = None
-        key = (contents[0], contents[1][0])
-        del self._children[key][block]
-        if not self._children[key]:
-            del self._children[key]
+        parent, tokens = contents
+        children = self._children[parent]
+        del children[bisect_left(children, (tokens, block))]
+        if not children:
+            del self._children[parent]
         return block
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:

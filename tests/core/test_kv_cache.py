@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from nanoserve.core.kv_cache import KVCacheManager
 from nanoserve.core.request import Request
 from nanoserve.model.batch import NULL_BLOCK
@@ -149,6 +152,36 @@ def test_a_partial_hit_on_a_block_evicted_by_its_own_allocation():
     source, destination = kv.take_block_copies()[0]
     assert kv.block_ids("b")[1] == destination
     assert source == destination  # the block was its own source: nothing to move
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cached=st.lists(st.lists(st.integers(0, 2), min_size=BS, max_size=BS), max_size=12),
+    query=st.lists(st.integers(0, 2), min_size=BS, max_size=BS),
+)
+def test_a_partial_hit_shares_the_longest_prefix_of_any_cached_sibling(cached, query):
+    kv = KVCacheManager(num_blocks=64, block_size=BS, enable_prefix_caching=True)
+    for i, tokens in enumerate(cached):  # one more token makes the first block full and computed
+        admit(kv, make_request(f"c{i}", [*tokens, 9]))
+    wanted = query[: BS - 1]  # the last token is always computed
+    expected = max((common_prefix(tokens, wanted) for tokens in cached), default=0)
+    assert kv.get_computed_blocks(make_request("q", query)) == expected
+
+
+def test_evicting_some_sibling_blocks_keeps_the_others_found():
+    kv = KVCacheManager(num_blocks=7, block_size=BS, enable_prefix_caching=True)
+    for t in range(5):  # five named first blocks under the root, sharing [1, 2]
+        sibling = make_request(f"s{t}", [1, 2, t, 0, 9])
+        admit(kv, sibling)
+        kv.free(sibling)
+    # the siblings' unnamed second blocks are free, 2 of them: 4 blocks take those and evict s0's, s1's
+    admit(kv, make_request("other", list(range(100, 116))))
+    for t in range(5):
+        assert kv.get_computed_blocks(make_request(f"q{t}", [1, 2, t, 0, 5])) == (2 if t < 2 else 4)
 
 
 def test_generated_tokens_become_cached():
