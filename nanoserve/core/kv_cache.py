@@ -47,7 +47,7 @@ class KVCacheManager:
         self._block_hash: list[int | None] = [None] * num_blocks
         self._hash_to_block: dict[int, int] = {}
         self._block_contents: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks
-        """Each named block's parent hash and token ids, for partial hits."""
+        """Each named block's parent hash and token ids: its entry in `_children`."""
         self._children: dict[int, list[tuple[tuple[int, ...], int]]] = {}
         """Parent hash -> (token ids, block) of the named blocks that continue it, in token order: the
         one sharing the most leading tokens with a sequence sits next to where that sequence would go."""
