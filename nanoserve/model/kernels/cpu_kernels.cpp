@@ -2,13 +2,13 @@
 //
 // paged_decode_attention: one query token per sequence, grouped-query heads, straight from the paged KV
 // cache (q.k products in bf16 pairs with AVX512-BF16 where the head size is 64, else 8 keys at a time on
-// AVX2). Each (sequence, KV head) pair is one task that walks the context a cache block at a time: its
-// query heads' scores for the block, a running softmax (max and total rescaled when the max grows), and
-// the weighted sum of the block's V rows. Each cached K and V row is read once, in place. With fewer tasks
-// than threads can share (3 KV heads on 2 threads at batch 1), contexts of 64 tokens and more are split
-// into parts whose results are merged, so that no thread waits for another's second task. A sliding window
-// starts the walk at the window's first position (blocks before it may be freed); soft-capping maps each
-// score to cap * tanh(score / cap) (Gemma 2).
+// AVX2). Each (sequence, KV head) pair is one task that walks the context 64 positions at a time: its
+// query heads' scores for those positions, block by block, then a running softmax over all 64 (max and
+// total rescaled when the max grows), then the weighted sum of their V rows. Each cached K and V row is
+// read once, in place. With fewer tasks than threads can share (3 KV heads on 2 threads at batch 1),
+// contexts of 64 tokens and more are split into parts whose results are merged, so that no thread waits
+// for another's second task. A sliding window starts the walk at the window's first position (blocks
+// before it may be freed); soft-capping maps each score to cap * tanh(score / cap) (Gemma 2).
 //
 // rms_norm: one pass per row in float32, where PyTorch's CPU rms_norm is a chain of eight ops.
 //
@@ -67,7 +67,7 @@ inline __m256 sum_each8(const __m256 v[8]) {
 // score_rows on AVX2: 8 keys' dot products with one query head in 8 registers, then their 8 sums in one
 template <typename T, int D>
 inline void score_rows_avx2(const T* k, int64_t n, int64_t per_kv, const float* query, float* scores,
-                            int64_t block_size) {
+                            int64_t stride) {
   for (int64_t first = 0; first < n; first += 8, k += 8 * D) {
     const int64_t keys = std::min<int64_t>(8, n - first);
     const T* rows[8];  // past the block's end, its last row again: computed, never stored
@@ -80,9 +80,7 @@ inline void score_rows_avx2(const T* k, int64_t n, int64_t per_kv, const float* 
         const __m256 qd = _mm256_loadu_ps(qh + d);
         for (int t = 0; t < 8; ++t) dots[t] = _mm256_fmadd_ps(load8(rows[t] + d), qd, dots[t]);
       }
-      alignas(32) float sums[8];
-      _mm256_store_ps(sums, sum_each8(dots));
-      std::memcpy(scores + h * block_size + first, sums, keys * sizeof(float));
+      _mm256_storeu_ps(scores + h * stride + first, sum_each8(dots));
     }
   }
 }
@@ -125,10 +123,11 @@ inline void add_weighted_rows(const float* p, const float* v, int64_t n, int64_t
   }
 }
 
-// scores[h * block_size + t] = scale * q_h . k_t for the n cached K rows of one block (query: q * scale)
+// scores[h * stride + t] = scale * q_h . k_t for the n cached K rows of one block (query: q * scale); the AVX2
+// path also writes up to 7 lanes past n
 template <typename T, int FIXED_D>
 inline void score_rows(const T* k, int64_t n, int64_t D, int64_t per_kv, const T* q, const float* query,
-                       float scale, float* row, float* scores, int64_t block_size) {
+                       float scale, float* row, float* scores, int64_t stride) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16> && FIXED_D == 64) {  // bf16 pairs straight from the cache
     for (int64_t first = 0; first < n; first += 16, k += 16 * 64) {  // 16 keys' dot products, then their sums
@@ -145,7 +144,7 @@ inline void score_rows(const T* k, int64_t n, int64_t D, int64_t per_kv, const T
           dots[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(dots[t], q_low, low), q_high, high);
         }
         const __m512 sums = _mm512_mul_ps(sum_each16(dots), _mm512_set1_ps(scale));
-        _mm512_mask_storeu_ps(scores + h * block_size + first, static_cast<__mmask16>((1u << keys) - 1), sums);
+        _mm512_mask_storeu_ps(scores + h * stride + first, static_cast<__mmask16>((1u << keys) - 1), sums);
       }
     }
     return;
@@ -153,7 +152,7 @@ inline void score_rows(const T* k, int64_t n, int64_t D, int64_t per_kv, const T
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (FIXED_D > 0 && FIXED_D % 8 == 0) {
-    score_rows_avx2<T, FIXED_D>(k, n, per_kv, query, scores, block_size);
+    score_rows_avx2<T, FIXED_D>(k, n, per_kv, query, scores, stride);
     return;
   }
 #endif
@@ -163,13 +162,14 @@ inline void score_rows(const T* k, int64_t n, int64_t D, int64_t per_kv, const T
       const float* qh = query + h * D;
       float dot = 0.f;
       for (int64_t d = 0; d < D; ++d) dot += qh[d] * row[d];
-      scores[h * block_size + t] = dot;
+      scores[h * stride + t] = dot;
     }
   }
 }
 
 constexpr int64_t PREFETCH_BLOCKS = 4;
 constexpr int64_t MIN_PART_TOKENS = 32;
+constexpr int64_t CHUNK_TOKENS = 64;
 
 template <typename T, int FIXED_D>
 void decode_attention(const T* q, const T* kv, const int32_t* block_table, const int64_t* seq_lens, T* out,
@@ -222,7 +222,9 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
       }
     };
     for (int64_t i = 0; i < PREFETCH_BLOCKS; ++i) prefetch_next();
-    std::vector<float> query(per_kv * D), scores(per_kv * block_size), row(D), rows(block_size * D);
+    // scores: each query head's for a chunk of positions, with room for 16 lanes past its end
+    constexpr int64_t stride = CHUNK_TOKENS + 16;
+    std::vector<float> query(per_kv * D), scores(per_kv * stride), row(D), rows(block_size * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t task = item / parts, seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t start = item_start(item), stop = item_stop(item);
@@ -236,45 +238,65 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
       std::fill(total, total + per_kv, 0.f);
       const T* k_head = kv + kv_head * head_stride;
       const T* v_head = k_head + v_offset;
-      // the rest of a block at a time, with a running softmax (max and total rescaled per block)
-      for (int64_t position = start; position < stop;) {
-        const int64_t block = block_table[seq * max_blocks + position / block_size];
-        const int64_t first = block * block_size + position % block_size;  // the position's cache slot
-        const int64_t n = std::min(block_size - position % block_size, stop - position);
-        prefetch_next();
-        score_rows<T, FIXED_D>(k_head + first * D, n, D, per_kv, q_seq, query.data(), scale, row.data(),
-                               scores.data(), block_size);
+      // f(slot, offset, n) for the chunk's runs of positions within one cache block: the first one's cache
+      // slot, its offset in the chunk and the run's length
+      auto for_each_run = [&](int64_t chunk_start, int64_t chunk_stop, auto f) __attribute__((always_inline)) {
+        for (int64_t position = chunk_start; position < chunk_stop;) {
+          const int64_t block = block_table[seq * max_blocks + position / block_size];
+          const int64_t n = std::min(block_size - position % block_size, chunk_stop - position);
+          f(block * block_size + position % block_size, position - chunk_start, n);
+          position += n;
+        }
+      };
+      // a chunk at a time: its scores, a running softmax (max and total rescaled per chunk), its V rows
+      for (int64_t chunk_start = start; chunk_start < stop; chunk_start += CHUNK_TOKENS) {
+        const int64_t chunk_stop = std::min(stop, chunk_start + CHUNK_TOKENS), count = chunk_stop - chunk_start;
+        for_each_run(chunk_start, chunk_stop, [&](int64_t slot, int64_t offset, int64_t n) {
+          prefetch_next();
+          score_rows<T, FIXED_D>(k_head + slot * D, n, D, per_kv, q_seq, query.data(), scale, row.data(),
+                                 scores.data() + offset, stride);
+        });
         for (int64_t h = 0; h < per_kv; ++h) {
-          float* s = scores.data() + h * block_size;
+          float* s = scores.data() + h * stride;
           if (softcap > 0.f)
-            for (int64_t t = 0; t < n; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
-          float block_max = max_score[h];
-          for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
-          if (block_max > max_score[h]) {
-            const float shrink = std::exp(max_score[h] - block_max);
+            for (int64_t t = 0; t < count; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+          const ivec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+          auto load16 = [&](int64_t first) {  // lanes past the chunk: -inf
+            vec16 x;
+            std::memcpy(&x, s + first, sizeof x);
+            return lane < static_cast<int32_t>(count - first) ? x : -INFINITY;
+          };
+          vec16 most = load16(0);
+          for (int64_t first = 16; first < count; first += 16) {
+            const vec16 x = load16(first);
+            most = most > x ? most : x;
+          }
+          const float chunk_max = std::max(max_score[h], max16(most));
+          if (chunk_max > max_score[h]) {
+            const float shrink = std::exp(max_score[h] - chunk_max);
             total[h] *= shrink;
             float* a = acc + h * D;
             for (int64_t d = 0; d < D; ++d) a[d] *= shrink;
-            max_score[h] = block_max;
+            max_score[h] = chunk_max;
           }
-          for (int64_t first = 0; first < n; first += 16) {  // 16 lanes at a time, past n masked out
-            const int64_t keys = std::min<int64_t>(16, n - first);
-            vec16 x;
-            for (int t = 0; t < 16; ++t) x[t] = t < keys ? s[first + t] - block_max : -INFINITY;
-            const vec16 p = exp16(x);
-            total[h] += sum16(p);
-            std::memcpy(s + first, &p, keys * sizeof(float));
+          vec16 sum = {};
+          for (int64_t first = 0; first < count; first += 16) {
+            const vec16 p = exp16(load16(first) - chunk_max);
+            sum += p;
+            std::memcpy(s + first, &p, sizeof p);
           }
+          total[h] += sum16(sum);
         }
-        const T* v = v_head + first * D;
-        const float* v_rows = rows.data();
-        if constexpr (std::is_same_v<T, float>)
-          v_rows = v;  // read in place
-        else
-          for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(v[i]);
-        for (int64_t h = 0; h < per_kv; ++h)
-          add_weighted_rows<FIXED_D>(scores.data() + h * block_size, v_rows, n, D, acc + h * D);
-        position += n;
+        for_each_run(chunk_start, chunk_stop, [&](int64_t slot, int64_t offset, int64_t n) {
+          const T* v = v_head + slot * D;
+          const float* v_rows = rows.data();
+          if constexpr (std::is_same_v<T, float>)
+            v_rows = v;  // read in place
+          else
+            for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(v[i]);
+          for (int64_t h = 0; h < per_kv; ++h)
+            add_weighted_rows<FIXED_D>(scores.data() + h * stride + offset, v_rows, n, D, acc + h * D);
+        });
       }
     }
   });

@@ -252,6 +252,7 @@ class FusedDecoder {
       for (size_t i = 0; i < layers_.size(); ++i) {
         const FusedLayer& layer = layers_[i];
         const at::Tensor& cache = kv_caches[i];
+        prefetch_new_kv_rows(ptr(cache), slots, rows, cache.size(2) * cache.size(3));
         layer.qkv.into(hn, rows, scratch, qkv_p);
         if (layer.q_norm && layer.k_norm)
           raw::norm_heads(qkv_p, ptr(*layer.q_norm), ptr(*layer.k_norm), rows, num_heads_, num_kv_heads_,
@@ -273,6 +274,21 @@ class FusedDecoder {
       }
     }
     return h;
+  }
+
+  // The cache lines that rope_write_kv will write the step's new K and V rows to, asked for while the qkv
+  // matmul runs. Up to 4 tokens, thread 0 writes them all; the rows of a layer's cache are long out of
+  // cache by then, and a few dozen stores to lines not there kept thread 0 (and the others at the next
+  // barrier) waiting for microseconds.
+  template <typename T>
+  void prefetch_new_kv_rows(const T* cache, const int64_t* slots, int64_t rows, int64_t slots_per_head) const {
+    if (rows > 4 || omp_get_thread_num() != 0) return;
+    const int64_t row_bytes = head_dim_ * sizeof(T);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t head = 0; head < 2 * num_kv_heads_; ++head) {  // K heads, then V heads
+        const char* row = reinterpret_cast<const char*>(cache + (head * slots_per_head + slots[r]) * head_dim_);
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(row + byte, 1);
+      }
   }
 
   // RMSNorm over each query and key head of qkv, in place (Qwen3), as SelfAttention does it

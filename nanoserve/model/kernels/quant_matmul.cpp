@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <array>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include "quant_avx512.h"
@@ -39,11 +40,36 @@ using quant_isa::MAX_ROWS;
 using quant_isa::TILE;
 constexpr int64_t CHUNK_ROWS = 64;  // rows per pass over a thread's tiles (64 x K int8 stays in L1/L2)
 
+// x's rows quantized to int8 per group of 32, with each group's scale and the sum of its values
+struct QuantizedRows {
+  const int8_t* xq;
+  const float* scales;
+  const float* sums;
+};
+
+// Under this many groups, each thread of a matmul quantizes x itself (quantized_here) where one thread
+// would quantize it for all: at batch 1 the others would wait for it, then meet it at a barrier.
+constexpr int64_t SHARED_QUANTIZE_GROUPS = 1024;
+
 template <typename T>
-void quantize_activations(const T* x, int8_t* xq, float* scales, float* sums, int64_t groups) {
-  split_work(0, groups, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) quant_isa::quantize_group(x + g * GROUP, xq + g * GROUP, scales + g, sums + g);
+QuantizedRows quantize_shared(const T* x, int64_t groups, const QuantScratch& scratch) {
+  split_work(0, groups, SHARED_QUANTIZE_GROUPS, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      quant_isa::quantize_group(x + g * GROUP, scratch.xq + g * GROUP, scratch.scales + g, scratch.sums + g);
   });
+  return {scratch.xq, scratch.scales, scratch.sums};
+}
+
+// x quantized into this thread's buffers, valid until its next call
+template <typename T>
+QuantizedRows quantized_here(const T* x, int64_t groups) {
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> stats;  // scales, then sums
+  xq.resize(groups * GROUP);
+  stats.resize(2 * groups);
+  for (int64_t g = 0; g < groups; ++g)
+    quant_isa::quantize_group(x + g * GROUP, xq.data() + g * GROUP, stats.data() + g, stats.data() + groups + g);
+  return {xq.data(), stats.data(), stats.data() + groups};
 }
 
 // tile_rows for 1..MAX_ROWS rows, indexed by rows - 1
@@ -54,20 +80,21 @@ constexpr auto tile_kernels(std::integer_sequence<int, R...>) {
 
 // Each thread takes a share of the tiles and, for up to CHUNK_ROWS rows at a time, finishes a tile before
 // the next: its codes stay in L1 for all those rows, and a weight larger than the caches (the lm_head) is
-// read from memory once per chunk, not once per MAX_ROWS rows.
-template <int BITS, typename T>
-void quant_matmul_impl(const int8_t* xq, const float* x_scales, const float* x_sums, const uint8_t* codes,
-                       const at::Half* scales, T* out, int64_t rows, int64_t k, int64_t n) {
+// read from memory once per chunk, not once per MAX_ROWS rows. `quantize()` gives x quantized.
+template <int BITS, typename T, typename Quantize>
+void quant_matmul_impl(const Quantize& quantize, const uint8_t* codes, const at::Half* scales, T* out, int64_t rows,
+                       int64_t k, int64_t n) {
   const int64_t groups = k / GROUP;
   static constexpr auto tiles = tile_kernels<BITS, T>(std::make_integer_sequence<int, MAX_ROWS>{});
   split_work(0, n / TILE, 4, [&](int64_t begin, int64_t end) {
-    const quant_isa::Activations x = quant_isa::prepare_activations(xq, rows, k);
+    const QuantizedRows q = quantize();
+    const quant_isa::Activations x = quant_isa::prepare_activations(q.xq, rows, k);
     for (int64_t chunk = 0; chunk < rows; chunk += CHUNK_ROWS) {
       const int64_t chunk_end = std::min(rows, chunk + CHUNK_ROWS);
       for (int64_t tile = begin; tile < end; ++tile) {
         for (int64_t row = chunk; row < chunk_end; row += MAX_ROWS) {
-          const float* sc = x_scales + row * groups;
-          const float* su = x_sums + row * groups;
+          const float* sc = q.scales + row * groups;
+          const float* su = q.sums + row * groups;
           T* o = out + row * n;
           tiles[std::min<int64_t>(MAX_ROWS, chunk_end - row) - 1](x.from_row(row), sc, su, codes, scales, o, k, n,
                                                                   tile, row == chunk);
@@ -77,13 +104,23 @@ void quant_matmul_impl(const int8_t* xq, const float* x_scales, const float* x_s
   });
 }
 
-// x [rows, k] quantized into scratch, then times the codes into out [rows, n]
+// x [rows, k] quantized (into scratch, or by each thread for itself), then times the codes into out [rows, n]
 template <typename T>
 void quantize_and_multiply(const T* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales,
                            int64_t bits, int64_t n, const QuantScratch& scratch, T* out) {
-  quantize_activations(x, scratch.xq, scratch.scales, scratch.sums, rows * k / GROUP);
-  (bits == 4 ? quant_matmul_impl<4, T> : quant_matmul_impl<8, T>)(scratch.xq, scratch.scales, scratch.sums, codes,
-                                                                   scales, out, rows, k, n);
+  const int64_t groups = rows * k / GROUP;
+  auto multiply = [&](const auto& quantize) {
+    if (bits == 4)
+      quant_matmul_impl<4, T>(quantize, codes, scales, out, rows, k, n);
+    else
+      quant_matmul_impl<8, T>(quantize, codes, scales, out, rows, k, n);
+  };
+  if (groups < SHARED_QUANTIZE_GROUPS) {
+    multiply([&] { return quantized_here(x, groups); });
+  } else {
+    const QuantizedRows shared = quantize_shared(x, groups, scratch);
+    multiply([&] { return shared; });
+  }
 }
 
 #endif  // NANOSERVE_QUANT_MATMUL
