@@ -472,7 +472,7 @@ template <typename T>
 void rope_rows(const T* qkv, const T* cos_sin, T* q_out, T* cache, const int64_t* slots, int64_t num_tokens,
                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head) {
   const int64_t half = head_dim / 2, row = (num_heads + 2 * num_kv_heads) * head_dim;
-  split_work(0, num_tokens, 4, [&](int64_t begin, int64_t end) {
+  split_work(0, num_tokens, raw::ROPE_GRAIN_TOKENS, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* cos = cos_sin + t * 2 * head_dim;  // [cos, cos]
       const T* sin = cos + head_dim;              // [-sin, sin]

@@ -277,12 +277,12 @@ class FusedDecoder {
   }
 
   // The cache lines that rope_write_kv will write the step's new K and V rows to, asked for while the qkv
-  // matmul runs. Up to 4 tokens, thread 0 writes them all; the rows of a layer's cache are long out of
-  // cache by then, and a few dozen stores to lines not there kept thread 0 (and the others at the next
-  // barrier) waiting for microseconds.
+  // matmul runs. Up to ROPE_GRAIN_TOKENS tokens, thread 0 writes them all; the rows of a layer's cache are
+  // long out of cache by then, and a few dozen stores to lines not there kept thread 0 (and the others at
+  // the next barrier) waiting for microseconds.
   template <typename T>
   void prefetch_new_kv_rows(const T* cache, const int64_t* slots, int64_t rows, int64_t slots_per_head) const {
-    if (rows > 4 || omp_get_thread_num() != 0) return;
+    if (rows > raw::ROPE_GRAIN_TOKENS || omp_get_thread_num() != 0) return;
     const int64_t row_bytes = head_dim_ * sizeof(T);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t head = 0; head < 2 * num_kv_heads_; ++head) {  // K heads, then V heads

@@ -111,6 +111,8 @@ void add(const T* a, const T* b, T* out, int64_t n);
 // x [rows, width] += bias, rounded as torch's add rounds
 template <typename T>
 void add_bias(T* x, const T* bias, int64_t rows, int64_t width);
+// rope_write_kv's grain: up to this many tokens, thread 0 alone rotates them and writes their K and V rows
+constexpr int64_t ROPE_GRAIN_TOKENS = 4;
 template <typename T>
 void rope_write_kv(const T* qkv, const T* cos_sin, T* q, T* cache, const int64_t* slots, int64_t tokens,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head);

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <array>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -80,15 +81,16 @@ constexpr auto tile_kernels(std::integer_sequence<int, R...>) {
 
 // Each thread takes a share of the tiles and, for up to CHUNK_ROWS rows at a time, finishes a tile before
 // the next: its codes stay in L1 for all those rows, and a weight larger than the caches (the lm_head) is
-// read from memory once per chunk, not once per MAX_ROWS rows. `quantize()` gives x quantized.
-template <int BITS, typename T, typename Quantize>
-void quant_matmul_impl(const Quantize& quantize, const uint8_t* codes, const at::Half* scales, T* out, int64_t rows,
-                       int64_t k, int64_t n) {
+// read from memory once per chunk, not once per MAX_ROWS rows. x comes quantized (`shared`), or each
+// thread quantizes it for itself.
+template <int BITS, typename T>
+void quant_matmul_impl(const T* x, const QuantizedRows* shared, const uint8_t* codes, const at::Half* scales, T* out,
+                       int64_t rows, int64_t k, int64_t n) {
   const int64_t groups = k / GROUP;
   static constexpr auto tiles = tile_kernels<BITS, T>(std::make_integer_sequence<int, MAX_ROWS>{});
   split_work(0, n / TILE, 4, [&](int64_t begin, int64_t end) {
-    const QuantizedRows q = quantize();
-    const quant_isa::Activations x = quant_isa::prepare_activations(q.xq, rows, k);
+    const QuantizedRows q = shared ? *shared : quantized_here(x, rows * groups);
+    const quant_isa::Activations activations = quant_isa::prepare_activations(q.xq, rows, k);
     for (int64_t chunk = 0; chunk < rows; chunk += CHUNK_ROWS) {
       const int64_t chunk_end = std::min(rows, chunk + CHUNK_ROWS);
       for (int64_t tile = begin; tile < end; ++tile) {
@@ -96,8 +98,8 @@ void quant_matmul_impl(const Quantize& quantize, const uint8_t* codes, const at:
           const float* sc = q.scales + row * groups;
           const float* su = q.sums + row * groups;
           T* o = out + row * n;
-          tiles[std::min<int64_t>(MAX_ROWS, chunk_end - row) - 1](x.from_row(row), sc, su, codes, scales, o, k, n,
-                                                                  tile, row == chunk);
+          tiles[std::min<int64_t>(MAX_ROWS, chunk_end - row) - 1](activations.from_row(row), sc, su, codes, scales,
+                                                                  o, k, n, tile, row == chunk);
         }
       }
     }
@@ -109,18 +111,10 @@ template <typename T>
 void quantize_and_multiply(const T* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales,
                            int64_t bits, int64_t n, const QuantScratch& scratch, T* out) {
   const int64_t groups = rows * k / GROUP;
-  auto multiply = [&](const auto& quantize) {
-    if (bits == 4)
-      quant_matmul_impl<4, T>(quantize, codes, scales, out, rows, k, n);
-    else
-      quant_matmul_impl<8, T>(quantize, codes, scales, out, rows, k, n);
-  };
-  if (groups < SHARED_QUANTIZE_GROUPS) {
-    multiply([&] { return quantized_here(x, groups); });
-  } else {
-    const QuantizedRows shared = quantize_shared(x, groups, scratch);
-    multiply([&] { return shared; });
-  }
+  std::optional<QuantizedRows> shared;
+  if (groups >= SHARED_QUANTIZE_GROUPS) shared = quantize_shared(x, groups, scratch);
+  (bits == 4 ? quant_matmul_impl<4, T> : quant_matmul_impl<8, T>)(x, shared ? &*shared : nullptr, codes, scales, out,
+                                                                   rows, k, n);
 }
 
 #endif  // NANOSERVE_QUANT_MATMUL
