@@ -172,12 +172,13 @@ constexpr int64_t MIN_PART_TOKENS = 32;
 constexpr int64_t CHUNK_TOKENS = 64;
 
 template <typename T, int FIXED_D>
-void decode_attention(const T* q, const T* kv, const int32_t* block_table, const int64_t* seq_lens, T* out,
-                      int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
-                      int64_t head_dim, int64_t max_blocks, float scale, int64_t window, float softcap,
-                      const AttentionSplit& split, float* scratch) {
+void decode_attention_of_size(const T* q, const T* kv, const int32_t* block_table, const int64_t* seq_lens,
+                              const DecodeAttentionShape& shape, float scale, int64_t window, float softcap,
+                              const AttentionSplit& split, float* scratch, T* out) {
+  const int64_t num_heads = shape.num_heads, num_kv_heads = shape.num_kv_heads, num_blocks = shape.num_blocks;
+  const int64_t block_size = shape.block_size, max_blocks = shape.max_blocks;
   // a head size known at compile time lets the compiler unroll and vectorize every row loop
-  const int64_t D = FIXED_D > 0 ? FIXED_D : head_dim;
+  const int64_t D = FIXED_D > 0 ? FIXED_D : shape.head_dim;
   const int64_t per_kv = num_heads / num_kv_heads;
   const int64_t head_stride = num_blocks * block_size * D;
   const int64_t v_offset = num_kv_heads * head_stride;  // kv[1] - kv[0]
@@ -325,24 +326,6 @@ void decode_attention(const T* q, const T* kv, const int32_t* block_table, const
   });
 }
 
-template <typename T>
-void decode_attention_any(int64_t head_dim, const T* q, const T* kv, const int32_t* block_table,
-                          const int64_t* seq_lens, T* out, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
-                          float softcap, const AttentionSplit& split, float* scratch) {
-  switch (head_dim) {
-#define NANOSERVE_HEAD_DIM(D)                                                                              \
-  case D:                                                                                                  \
-    return decode_attention<T, D>(q, kv, block_table, seq_lens, out, num_heads, num_kv_heads, num_blocks,  \
-                                  block_size, head_dim, max_blocks, scale, window, softcap, split, scratch);
-    NANOSERVE_FOR_EACH_HEAD_DIM(NANOSERVE_HEAD_DIM)
-#undef NANOSERVE_HEAD_DIM
-    default:
-      decode_attention<T, 0>(q, kv, block_table, seq_lens, out, num_heads, num_kv_heads, num_blocks, block_size,
-                             head_dim, max_blocks, scale, window, softcap, split, scratch);
-  }
-}
-
 }  // namespace
 
 AttentionSplit attention_split(const int64_t* seq_lens, int64_t num_seqs, int64_t num_kv_heads, int64_t window) {
@@ -358,25 +341,6 @@ AttentionSplit attention_split(const int64_t* seq_lens, int64_t num_seqs, int64_
   return {tasks, parts, (longest + parts - 1) / parts};
 }
 
-void paged_decode_attention_into(const torch::Tensor& q, const torch::Tensor& kv_cache,
-                                 const torch::Tensor& block_table, const int64_t* seq_lens, double scale,
-                                 int64_t window, double softcap, const AttentionSplit& split, float* scratch,
-                                 const torch::Tensor& out) {
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
-  if (q.scalar_type() == torch::kBFloat16) {
-    decode_attention_any(head_dim, q.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>(),
-                         block_table.data_ptr<int32_t>(), seq_lens, out.data_ptr<at::BFloat16>(), num_heads,
-                         num_kv_heads, num_blocks, block_size, block_table.size(1), static_cast<float>(scale),
-                         window, static_cast<float>(softcap), split, scratch);
-  } else {
-    decode_attention_any(head_dim, q.data_ptr<float>(), kv_cache.data_ptr<float>(), block_table.data_ptr<int32_t>(),
-                         seq_lens, out.data_ptr<float>(), num_heads, num_kv_heads, num_blocks, block_size,
-                         block_table.size(1), static_cast<float>(scale), window, static_cast<float>(softcap),
-                         split, scratch);
-  }
-}
-
 // q: [S, H, D]; kv_cache: [2, Hkv, num_blocks, block_size, D]; block_table: int32 [S, max_blocks];
 // seq_lens: int64 [S] (context including the new token, already written to the cache); window: the last
 // positions attended to (0: all); softcap: cap of cap * tanh(score / cap) (0: none) -> [S, H * D].
@@ -386,13 +350,21 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and the KV cache must share a dtype");
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat32, "bfloat16 or float32 only");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt64);
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = kv_cache.size(1);
   auto out = torch::empty({num_seqs, num_heads * head_dim}, q.options());
   auto lens = seq_lens.contiguous();
-  const AttentionSplit split = attention_split(lens.data_ptr<int64_t>(), num_seqs, kv_cache.size(1), window);
-  std::vector<float> scratch(split.scratch_floats(num_heads / kv_cache.size(1), head_dim));
-  paged_decode_attention_into(q, kv_cache, block_table, lens.data_ptr<int64_t>(), scale, window, softcap, split,
-                              scratch.data(), out);
+  const AttentionSplit split = attention_split(lens.data_ptr<int64_t>(), num_seqs, num_kv_heads, window);
+  std::vector<float> scratch(split.scratch_floats(num_heads / num_kv_heads, head_dim));
+  const DecodeAttentionShape shape{num_heads, num_kv_heads, head_dim, kv_cache.size(2), kv_cache.size(3),
+                                   block_table.size(1)};
+  if (q.scalar_type() == torch::kBFloat16)
+    raw::decode_attention(q.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>(),
+                          block_table.data_ptr<int32_t>(), lens.data_ptr<int64_t>(), shape, scale, window, softcap,
+                          split, scratch.data(), out.data_ptr<at::BFloat16>());
+  else
+    raw::decode_attention(q.data_ptr<float>(), kv_cache.data_ptr<float>(), block_table.data_ptr<int32_t>(),
+                          lens.data_ptr<int64_t>(), shape, scale, window, softcap, split, scratch.data(),
+                          out.data_ptr<float>());
   return out;
 }
 
@@ -604,6 +576,24 @@ void act_and_mul(bool gelu, const T* x, T* out, int64_t rows, int64_t width) {
   (gelu ? act_mul_rows<T, gelu_tanh> : act_mul_rows<T, silu>)(x, out, rows, width);
 }
 
+template <typename T>
+void decode_attention(const T* q, const T* kv_cache, const int32_t* block_table, const int64_t* seq_lens,
+                      const DecodeAttentionShape& shape, double scale, int64_t window, double softcap,
+                      const AttentionSplit& split, float* scratch, T* out) {
+  const float scale_f = static_cast<float>(scale), softcap_f = static_cast<float>(softcap);
+  switch (shape.head_dim) {
+#define NANOSERVE_HEAD_DIM(D)                                                                                \
+  case D:                                                                                                    \
+    return decode_attention_of_size<T, D>(q, kv_cache, block_table, seq_lens, shape, scale_f, window, softcap_f, \
+                                          split, scratch, out);
+    NANOSERVE_FOR_EACH_HEAD_DIM(NANOSERVE_HEAD_DIM)
+#undef NANOSERVE_HEAD_DIM
+    default:
+      decode_attention_of_size<T, 0>(q, kv_cache, block_table, seq_lens, shape, scale_f, window, softcap_f, split,
+                                     scratch, out);
+  }
+}
+
 #define NANOSERVE_RAW_KERNELS(T)                                                                                 \
   template void rms_norm(const T*, const T*, T*, int64_t, int64_t, float);                                       \
   template void norm_heads(T*, const T*, const T*, int64_t, int64_t, int64_t, int64_t, float);                   \
@@ -611,7 +601,9 @@ void act_and_mul(bool gelu, const T* x, T* out, int64_t rows, int64_t width) {
   template void add_bias(T*, const T*, int64_t, int64_t);                                                        \
   template void rope_write_kv(const T*, const T*, T*, T*, const int64_t*, int64_t, int64_t, int64_t, int64_t,    \
                               int64_t);                                                                          \
-  template void act_and_mul(bool, const T*, T*, int64_t, int64_t);
+  template void act_and_mul(bool, const T*, T*, int64_t, int64_t);                                               \
+  template void decode_attention(const T*, const T*, const int32_t*, const int64_t*, const DecodeAttentionShape&, \
+                                 double, int64_t, double, const AttentionSplit&, float*, T*);
 NANOSERVE_RAW_KERNELS(at::BFloat16)
 NANOSERVE_RAW_KERNELS(float)
 #undef NANOSERVE_RAW_KERNELS

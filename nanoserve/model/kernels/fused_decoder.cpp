@@ -42,6 +42,26 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
 
 }  // namespace
 
+// One matmul of a decode region as its threads call it: raw pointers, looked up when the decoder is built.
+template <typename T>
+struct RegionMatmul {
+  const uint8_t* codes;     // quant_matmul's codes and scales, for steps of up to max_tokens rows, or null
+  const at::Half* scales;
+  int64_t bits, max_tokens;
+  const float* dense;  // dense_matmul's weight for the other steps (float32 models), or null
+  const T* bias;       // or null
+  int64_t k, n;
+
+  // x [rows, k] -> out [rows, n] in a step that FusedDecoder::one_region_at(rows) lets run in a region
+  void into(const T* x, int64_t rows, const QuantScratch& scratch, T* out) const {
+    if (codes && rows <= max_tokens)
+      raw::quant_matmul(x, rows, k, codes, scales, bits, n, scratch, out);
+    else if constexpr (std::is_same_v<T, float>)
+      raw::dense_matmul(x, rows, k, dense, n, out);
+    if (bias) raw::add_bias(out, bias, rows, n);
+  }
+};
+
 // One Linear of the module path (nanoserve/model/layers/linear.py) with its choice per step size: the
 // quantized weight for steps of up to max_tokens rows, else dense_matmul (float32), else below plain_from
 // rows the oneDNN-packed weight, else the plain one.
@@ -74,15 +94,21 @@ struct FusedMatmul {
     return (group_quantized_at(rows) && quant_matmul_supported()) || dense_at(rows);
   }
 
-  // x [rows, in_features] -> out [rows, out_features] inside a decode region (runs_in_region_at(rows))
+  // dense_matmul's weight, where it can read it in place
+  bool dense_float32() const { return dense && weight.scalar_type() == at::kFloat && weight.is_contiguous(); }
+
+  // this matmul as a region calls it (the bias, if any, in T)
   template <typename T>
-  void into(const T* x, int64_t rows, const QuantScratch& scratch, T* out) const {
-    if (!dense_at(rows))
-      raw::quant_matmul(x, rows, weight.size(1), codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), bits,
-                        weight.size(0), scratch, out);
-    else if constexpr (std::is_same_v<T, float>)  // one_region_at: dense_matmul only in float32 steps
-      raw::dense_matmul(x, rows, weight.size(1), weight.data_ptr<float>(), weight.size(0), out);
-    if (bias) raw::add_bias(out, bias->data_ptr<T>(), rows, weight.size(0));
+  RegionMatmul<T> in_region() const {
+    const bool groups = quantized == "groups";
+    return {groups ? codes.data_ptr<uint8_t>() : nullptr,
+            groups ? scales.data_ptr<at::Half>() : nullptr,
+            bits,
+            max_tokens,
+            dense_float32() ? weight.data_ptr<float>() : nullptr,
+            bias ? bias->data_ptr<T>() : nullptr,
+            weight.size(1),
+            weight.size(0)};
   }
 };
 
@@ -92,6 +118,17 @@ struct FusedLayer {
   FusedMatmul qkv, o_proj, gate_up, down;
   std::string activation;  // silu or gelu_tanh
   int64_t window = 0;      // 0: the whole context
+};
+
+// What the threads of a decode region read of one layer besides its KV cache. Reaching each kernel's
+// buffers through the layer's tensors instead cost each thread a dozen cache misses a layer (the weights
+// streaming through in between evict the tensors' headers), about a microsecond before each kernel call.
+template <typename T>
+struct RegionLayer {
+  RegionMatmul<T> qkv, o_proj, gate_up, down;
+  const T *input_norm, *post_attention_norm, *q_norm, *k_norm;  // q_norm, k_norm: null where absent
+  bool gelu;
+  int64_t window;
 };
 
 class FusedDecoder {
@@ -105,6 +142,11 @@ class FusedDecoder {
     TORCH_CHECK(rotary_.dim() == 3 && rotary_.size(1) == 2 && rotary_.size(2) == head_dim_ && rotary_.is_contiguous() &&
                     rotary_.scalar_type() == embedding_.scalar_type(),
                 "FusedDecoder: a rotary table [positions, 2, head_dim] in the embedding's dtype");
+    if (!weights_fit_one_region()) return;
+    if (final_norm_.scalar_type() == at::kFloat)
+      float_layers_ = region_layers<float>();
+    else
+      bf16_layers_ = region_layers<at::BFloat16>();
   }
 
   // token_ids int64 [S]: each sequence's newest token, at position seq_lens - 1; kv_caches: one per layer;
@@ -139,27 +181,56 @@ class FusedDecoder {
 
   bool one_region = true;  // off: kernel after kernel at every step (the region path's reference in tests)
 
-  // Whether the weights let a step of `rows` rows run in one region: bf16 or float32 throughout, every
-  // matmul quant_matmul or (float32) dense_matmul at that size (the region's kernels take raw pointers and
-  // check nothing).
+  // Whether a step of `rows` rows can run in one region: the weights fit one (weights_fit_one_region) and
+  // every matmul is quant_matmul or (float32) dense_matmul at that size: the region's kernels take raw
+  // pointers and check nothing.
   bool one_region_at(int64_t rows) const {
+    if (float_layers_.empty() && bf16_layers_.empty()) return false;
+    const auto dtype = final_norm_.scalar_type();
+    for (const FusedLayer& layer : layers_)
+      for (const FusedMatmul* m : {&layer.qkv, &layer.o_proj, &layer.gate_up, &layer.down})
+        if (!m->runs_in_region_at(rows) || (m->dense_at(rows) && (dtype != at::kFloat || !m->dense_float32())))
+          return false;
+    return true;
+  }
+
+ private:
+  // bf16 or float32 throughout: the norms and biases in the dtype of the final norm
+  bool weights_fit_one_region() const {
     const auto dtype = final_norm_.scalar_type();
     if (dtype != at::kBFloat16 && dtype != at::kFloat) return false;
     for (const FusedLayer& layer : layers_) {
-      for (const FusedMatmul* m : {&layer.qkv, &layer.o_proj, &layer.gate_up, &layer.down}) {
-        if (!m->runs_in_region_at(rows) || (m->bias && m->bias->scalar_type() != dtype)) return false;
-        if (m->dense_at(rows) && (dtype != at::kFloat || m->weight.scalar_type() != at::kFloat ||
-                                  !m->weight.is_contiguous()))
-          return false;
-      }
-      if (layer.input_norm.scalar_type() != dtype || layer.post_attention_norm.scalar_type() != dtype ||
-          (layer.q_norm && layer.q_norm->scalar_type() != dtype) || (layer.k_norm && layer.k_norm->scalar_type() != dtype))
+      for (const FusedMatmul* m : {&layer.qkv, &layer.o_proj, &layer.gate_up, &layer.down})
+        if (m->bias && m->bias->scalar_type() != dtype) return false;
+      for (const at::Tensor* norm : {&layer.input_norm, &layer.post_attention_norm})
+        if (norm->scalar_type() != dtype) return false;
+      if ((layer.q_norm && layer.q_norm->scalar_type() != dtype) || (layer.k_norm && layer.k_norm->scalar_type() != dtype))
         return false;
     }
     return true;
   }
 
- private:
+  template <typename T>
+  std::vector<RegionLayer<T>> region_layers() const {
+    std::vector<RegionLayer<T>> region;
+    for (const FusedLayer& layer : layers_) {
+      const bool qk_norms = layer.q_norm && layer.k_norm;
+      region.push_back({layer.qkv.in_region<T>(), layer.o_proj.in_region<T>(), layer.gate_up.in_region<T>(),
+                        layer.down.in_region<T>(), layer.input_norm.data_ptr<T>(),
+                        layer.post_attention_norm.data_ptr<T>(), qk_norms ? layer.q_norm->data_ptr<T>() : nullptr,
+                        qk_norms ? layer.k_norm->data_ptr<T>() : nullptr, layer.activation != "silu", layer.window});
+    }
+    return region;
+  }
+
+  template <typename T>
+  const std::vector<RegionLayer<T>>& layers_in_region() const {
+    if constexpr (std::is_same_v<T, float>)
+      return float_layers_;
+    else
+      return bf16_layers_;
+  }
+
   // The step's embeddings [S, hidden], rotary rows [S, 2, 1, head_dim] and the cache slot each new token's
   // K/V goes to: what the module path looks up in Python (CausalLM.forward, build_attention_metadata).
   std::tuple<at::Tensor, at::Tensor, at::Tensor> step_inputs(const at::Tensor& token_ids, int64_t block_size,
@@ -242,38 +313,49 @@ class FusedDecoder {
     T *qkv_p = qkv.data_ptr<T>(), *q_p = q.data_ptr<T>(), *att = attended.data_ptr<T>();
     T *gu = gate_up.data_ptr<T>(), *ac = act.data_ptr<T>();
     const float eps = static_cast<float>(eps_);
-    auto ptr = [](const at::Tensor& t) { return t.data_ptr<T>(); };
+    const std::vector<RegionLayer<T>>& layers = layers_in_region<T>();
+    std::vector<T*> caches;
+    for (const at::Tensor& cache : kv_caches) caches.push_back(cache.data_ptr<T>());
+    const int64_t slots_per_head = kv_caches[0].size(2) * kv_caches[0].size(3);
+    const DecodeAttentionShape shape{num_heads_, num_kv_heads_, head_dim_, kv_caches[0].size(2), kv_caches[0].size(3),
+                                     block_table.size(1)};
+    const int32_t* table = block_table.data_ptr<int32_t>();
+    const T* final_norm = final_norm_.data_ptr<T>();
 
 #pragma omp parallel num_threads(at::get_num_threads())
     {
       DecodeRegion region;
       const T* stream = input;  // the residual stream: the embeddings, then `res`
-      raw::rms_norm(input, ptr(layers_[0].input_norm), hn, rows, hidden, eps);
-      for (size_t i = 0; i < layers_.size(); ++i) {
-        const FusedLayer& layer = layers_[i];
-        const at::Tensor& cache = kv_caches[i];
-        prefetch_new_kv_rows(ptr(cache), slots, rows, cache.size(2) * cache.size(3));
+      raw::rms_norm(input, layers[0].input_norm, hn, rows, hidden, eps);
+      for (size_t i = 0; i < layers.size(); ++i) {
+        const RegionLayer<T>& layer = layers[i];
+        prefetch_new_kv_rows(caches[i], slots, rows, slots_per_head);
         layer.qkv.into(hn, rows, scratch, qkv_p);
-        if (layer.q_norm && layer.k_norm)
-          raw::norm_heads(qkv_p, ptr(*layer.q_norm), ptr(*layer.k_norm), rows, num_heads_, num_kv_heads_,
-                          head_dim_, eps);
-        raw::rope_write_kv(qkv_p, cs, q_p, ptr(cache), slots, rows, num_heads_, num_kv_heads_, head_dim_,
-                           cache.size(2) * cache.size(3));
-        paged_decode_attention_into(q, cache, block_table, lens, scale_, layer.window, softcap_, splits[i],
-                                    attention_scratch.data(), attended);
+        if (layer.q_norm)
+          raw::norm_heads(qkv_p, layer.q_norm, layer.k_norm, rows, num_heads_, num_kv_heads_, head_dim_, eps);
+        raw::rope_write_kv(qkv_p, cs, q_p, caches[i], slots, rows, num_heads_, num_kv_heads_, head_dim_,
+                           slots_per_head);
+        raw::decode_attention(q_p, caches[i], table, lens, shape, scale_, layer.window, softcap_, splits[i],
+                              attention_scratch.data(), att);
         layer.o_proj.into(att, rows, scratch, dl);
         raw::add(stream, dl, res, rows * hidden);
         stream = res;
-        raw::rms_norm(res, ptr(layer.post_attention_norm), hn, rows, hidden, eps);
+        raw::rms_norm(res, layer.post_attention_norm, hn, rows, hidden, eps);
         layer.gate_up.into(hn, rows, scratch, gu);
-        raw::act_and_mul(layer.activation != "silu", gu, ac, rows, intermediate);
+        raw::act_and_mul(layer.gelu, gu, ac, rows, intermediate);
         layer.down.into(ac, rows, scratch, dl);
+        const bool last = i + 1 == layers.size();
+        if (!last) prefetch_lines(&layers[i + 1], sizeof layers[i + 1]);
         raw::add(res, dl, res, rows * hidden);
-        const at::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
-        raw::rms_norm(res, ptr(next_norm), hn, rows, hidden, eps);
+        raw::rms_norm(res, last ? final_norm : layers[i + 1].input_norm, hn, rows, hidden, eps);
       }
     }
     return h;
+  }
+
+  // the lines of an object the caches have likely lost, asked for ahead of its use
+  static void prefetch_lines(const void* object, size_t bytes) {
+    for (size_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(static_cast<const char*>(object) + byte);
   }
 
   // The cache lines that rope_write_kv will write the step's new K and V rows to, asked for while the qkv
@@ -300,6 +382,8 @@ class FusedDecoder {
   }
 
   std::vector<FusedLayer> layers_;
+  std::vector<RegionLayer<float>> float_layers_;  // layers_ as a region reads them, in the model's dtype
+  std::vector<RegionLayer<at::BFloat16>> bf16_layers_;
   at::Tensor final_norm_, embedding_, rotary_;  // rotary: the cos/sin table [positions, 2, head_dim]
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_, softcap_;

@@ -46,11 +46,11 @@ inline int64_t first_attended(int64_t seq_len, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
 }
 AttentionSplit attention_split(const int64_t* seq_lens, int64_t num_seqs, int64_t num_kv_heads, int64_t window);
-// paged_decode_attention into `out`, with the split's scratch: no allocation, no checks (see raw_bf16)
-void paged_decode_attention_into(const torch::Tensor& q, const torch::Tensor& kv_cache,
-                                 const torch::Tensor& block_table, const int64_t* seq_lens, double scale,
-                                 int64_t window, double softcap, const AttentionSplit& split, float* scratch,
-                                 const torch::Tensor& out);
+// The sizes behind decode attention's q [S, H, D], KV cache [2, Hkv, num_blocks, block_size, D] and block
+// table [S, max_blocks]
+struct DecodeAttentionShape {
+  int64_t num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks;
+};
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                                      torch::Tensor seq_lens, double scale, int64_t window, double softcap);
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
@@ -123,6 +123,11 @@ void quant_matmul(const T* x, int64_t rows, int64_t k, const uint8_t* codes, con
                   int64_t n, const QuantScratch& scratch, T* out);
 // x [rows, k] @ weight [n, k].T -> out [rows, n], float32 throughout
 void dense_matmul(const float* x, int64_t rows, int64_t k, const float* weight, int64_t n, float* out);
+// paged_decode_attention into out [S, H * D], with the split's scratch
+template <typename T>
+void decode_attention(const T* q, const T* kv_cache, const int32_t* block_table, const int64_t* seq_lens,
+                      const DecodeAttentionShape& shape, double scale, int64_t window, double softcap,
+                      const AttentionSplit& split, float* scratch, T* out);
 }  // namespace raw
 
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
