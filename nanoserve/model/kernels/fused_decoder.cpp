@@ -126,7 +126,7 @@ struct FusedLayer {
 template <typename T>
 struct RegionLayer {
   RegionMatmul<T> qkv, o_proj, gate_up, down;
-  const T *input_norm, *post_attention_norm, *q_norm, *k_norm;  // q_norm, k_norm: null where absent
+  const T *input_norm, *post_attention_norm, *q_norm, *k_norm;  // q_norm, k_norm: both set (Qwen3) or both null
   bool gelu;
   int64_t window;
 };
@@ -201,7 +201,10 @@ class FusedDecoder {
     if (dtype != at::kBFloat16 && dtype != at::kFloat) return false;
     for (const FusedLayer& layer : layers_) {
       for (const FusedMatmul* m : {&layer.qkv, &layer.o_proj, &layer.gate_up, &layer.down})
-        if (m->bias && m->bias->scalar_type() != dtype) return false;
+        if ((m->bias && m->bias->scalar_type() != dtype) ||
+            (m->quantized == "groups" &&
+             (m->codes.scalar_type() != at::kByte || m->scales.scalar_type() != at::kHalf)))
+          return false;
       for (const at::Tensor* norm : {&layer.input_norm, &layer.post_attention_norm})
         if (norm->scalar_type() != dtype) return false;
       if ((layer.q_norm && layer.q_norm->scalar_type() != dtype) || (layer.k_norm && layer.k_norm->scalar_type() != dtype))
@@ -273,8 +276,10 @@ class FusedDecoder {
                              const at::Tensor& slot_mapping, const at::Tensor& block_table,
                              const at::Tensor& seq_lens) const {
     const auto dtype = final_norm_.scalar_type();
-    for (const at::Tensor& cache : kv_caches)
-      if (cache.scalar_type() != dtype || !cache.is_contiguous()) return false;
+    for (const at::Tensor& cache : kv_caches)  // the region reads every layer's cache with the first one's sizes
+      if (cache.scalar_type() != dtype || !cache.is_contiguous() || cache.sizes() != kv_caches[0].sizes() ||
+          cache.size(1) != num_kv_heads_ || cache.size(4) != head_dim_)
+        return false;
     return x.scalar_type() == dtype && x.is_contiguous() && cos_sin.scalar_type() == dtype && cos_sin.is_contiguous() &&
            slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
            block_table.scalar_type() == at::kInt && block_table.is_contiguous() &&
@@ -355,7 +360,9 @@ class FusedDecoder {
 
   // the lines of an object the caches have likely lost, asked for ahead of its use
   static void prefetch_lines(const void* object, size_t bytes) {
-    for (size_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(static_cast<const char*>(object) + byte);
+    const uintptr_t start = reinterpret_cast<uintptr_t>(object), end = start + bytes;
+    for (uintptr_t line = start & ~uintptr_t{63}; line < end; line += 64)
+      __builtin_prefetch(reinterpret_cast<const void*>(line));
   }
 
   // The cache lines that rope_write_kv will write the step's new K and V rows to, asked for while the qkv
@@ -382,7 +389,8 @@ class FusedDecoder {
   }
 
   std::vector<FusedLayer> layers_;
-  std::vector<RegionLayer<float>> float_layers_;  // layers_ as a region reads them, in the model's dtype
+  // layers_ as a region reads them, in the model's dtype; both empty where the weights fit no region
+  std::vector<RegionLayer<float>> float_layers_;
   std::vector<RegionLayer<at::BFloat16>> bf16_layers_;
   at::Tensor final_norm_, embedding_, rotary_;  // rotary: the cos/sin table [positions, 2, head_dim]
   int64_t num_heads_, num_kv_heads_, head_dim_;

@@ -176,7 +176,8 @@ class CausalLM(nn.Module):
     def use_cpu_kernels(self, kernels: ModuleType, fused_decode: bool = True) -> None:
         """RMSNorm and the MLP's activation in C++; attention takes its kernels from AttentionMetadata.
         With fused_decode, decode-only steps of Llama-shaped layers run as one C++ call (after quantize:
-        it holds the matmuls' weights as they are then)."""
+        it holds the weights as they are then, and pointers into their storage; call it again after moving
+        a weight to new storage)."""
         activations = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul}
         for module in self.modules():
             if isinstance(module, RMSNorm):
