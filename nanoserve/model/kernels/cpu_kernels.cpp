@@ -173,8 +173,8 @@ constexpr int64_t CHUNK_TOKENS = 64;
 
 template <typename T, int FIXED_D>
 void decode_attention_for_head_dim(const T* q, const T* kv, const int32_t* block_table, const int64_t* seq_lens,
-                              const DecodeAttentionShape& shape, float scale, int64_t window, float softcap,
-                              const AttentionSplit& split, float* scratch, T* out) {
+                                   const DecodeAttentionShape& shape, float scale, int64_t window, float softcap,
+                                   const AttentionSplit& split, float* scratch, T* out) {
   const int64_t num_heads = shape.num_heads, num_kv_heads = shape.num_kv_heads, num_blocks = shape.num_blocks;
   const int64_t block_size = shape.block_size, max_blocks = shape.max_blocks;
   // a head size known at compile time lets the compiler unroll and vectorize every row loop
@@ -582,15 +582,15 @@ void decode_attention(const T* q, const T* kv_cache, const int32_t* block_table,
                       const AttentionSplit& split, float* scratch, T* out) {
   const float scale_f = static_cast<float>(scale), softcap_f = static_cast<float>(softcap);
   switch (shape.head_dim) {
-#define NANOSERVE_HEAD_DIM(D)                                                                                \
-  case D:                                                                                                    \
-    return decode_attention_for_head_dim<T, D>(q, kv_cache, block_table, seq_lens, shape, scale_f, window, softcap_f, \
-                                          split, scratch, out);
+#define NANOSERVE_HEAD_DIM(D)                                                                           \
+  case D:                                                                                               \
+    return decode_attention_for_head_dim<T, D>(q, kv_cache, block_table, seq_lens, shape, scale_f, window, \
+                                               softcap_f, split, scratch, out);
     NANOSERVE_FOR_EACH_HEAD_DIM(NANOSERVE_HEAD_DIM)
 #undef NANOSERVE_HEAD_DIM
     default:
-      decode_attention_for_head_dim<T, 0>(q, kv_cache, block_table, seq_lens, shape, scale_f, window, softcap_f, split,
-                                     scratch, out);
+      decode_attention_for_head_dim<T, 0>(q, kv_cache, block_table, seq_lens, shape, scale_f, window, softcap_f,
+                                          split, scratch, out);
   }
 }
 

@@ -18,6 +18,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <array>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -118,6 +119,8 @@ struct FusedLayer {
   FusedMatmul qkv, o_proj, gate_up, down;
   std::string activation;  // silu or gelu_tanh
   int64_t window = 0;      // 0: the whole context
+
+  std::array<const FusedMatmul*, 4> matmuls() const { return {&qkv, &o_proj, &gate_up, &down}; }
 };
 
 // What the threads of a decode region read of one layer besides its KV cache. Reaching each kernel's
@@ -188,7 +191,7 @@ class FusedDecoder {
     if (float_layers_.empty() && bf16_layers_.empty()) return false;
     const auto dtype = final_norm_.scalar_type();
     for (const FusedLayer& layer : layers_)
-      for (const FusedMatmul* m : {&layer.qkv, &layer.o_proj, &layer.gate_up, &layer.down})
+      for (const FusedMatmul* m : layer.matmuls())
         if (!m->runs_in_region_at(rows) || (m->dense_at(rows) && (dtype != at::kFloat || !m->dense_float32())))
           return false;
     return true;
@@ -200,7 +203,7 @@ class FusedDecoder {
     const auto dtype = final_norm_.scalar_type();
     if (dtype != at::kBFloat16 && dtype != at::kFloat) return false;
     for (const FusedLayer& layer : layers_) {
-      for (const FusedMatmul* m : {&layer.qkv, &layer.o_proj, &layer.gate_up, &layer.down})
+      for (const FusedMatmul* m : layer.matmuls())
         if ((m->bias && m->bias->scalar_type() != dtype) ||
             (m->quantized == "groups" &&
              (m->codes.scalar_type() != at::kByte || m->scales.scalar_type() != at::kHalf)))
