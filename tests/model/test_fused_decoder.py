@@ -165,9 +165,14 @@ def test_drafted_steps_stay_on_the_fused_decode_step(shape, tmp_path):
     assert engine.scheduler.get_stats().num_accepted_tokens > 0
 
 
+UNEVEN_SPEEDS = (2.5, 0.4)
+"""Thread speeds that cut the region's matmuls far from evenly (thread 0 takes 86 % with two threads)."""
+
+
 class RegionCheckingDecoder:
     """A FusedDecoder that runs each step kernel after kernel, then in one region, and checks that the two
-    give the same bits (both write the same K/V to the same slots)."""
+    give the same bits (both write the same K/V to the same slots). Every other region step cuts its matmuls
+    by UNEVEN_SPEEDS instead of the speeds it has learned."""
 
     def __init__(self, fused) -> None:
         self.fused, self.region_steps, self.batch_sizes = fused, 0, set()
@@ -176,6 +181,9 @@ class RegionCheckingDecoder:
         self.fused.one_region = False
         reference = self.fused.forward(x, *args)
         self.fused.one_region = True
+        if self.region_steps % 2:
+            threads = torch.get_num_threads()
+            self.fused.thread_speeds = [UNEVEN_SPEEDS[t % 2] for t in range(threads)]
         out = self.fused.forward(x, *args)
         assert torch.equal(out, reference), "the one-region step differs from kernel after kernel"
         if self.fused.one_region_at(x.shape[0]):
@@ -219,6 +227,27 @@ def test_one_region_step_on_the_bundled_model(bundled_gguf_path, dtype, quantiza
     checking = _check_regions(engine, [list(range(100 + 7 * i, 120 + 9 * i)) for i in range(5)])
     engine.shutdown()
     assert checking.region_steps > 0 and {1, 5} <= checking.batch_sizes
+
+
+def test_the_region_learns_each_threads_speed(bundled_gguf_path):
+    """The region times each thread's share of its matmuls and cuts the next ones by the speeds it learns:
+    one speed per thread, relative to their geometric mean."""
+    from nanoserve.config import EngineOptions
+
+    needs_quant_matmul()
+    engine = EngineCore(EngineOptions(model=bundled_gguf_path, quantization="int4", num_kv_blocks=64))
+    fused = engine.runner.model.fused_decoder
+    assert fused.thread_speeds == []
+    _greedy(engine, [list(range(100, 120))], "learn")
+    engine.shutdown()
+    speeds = fused.thread_speeds
+    if torch.get_num_threads() == 1:
+        assert speeds == []
+        return
+    assert len(speeds) == torch.get_num_threads() and all(1 / 3.01 < s < 3.01 for s in speeds)
+    assert np.prod(speeds) == pytest.approx(1.0, rel=1e-6) and speeds != [1.0] * len(speeds)
+    with pytest.raises(ValueError, match="speeds must be positive"):
+        fused.thread_speeds = [1.0, 0.0]
 
 
 def test_unquantized_bf16_steps_stay_kernel_after_kernel(fused_dir):

@@ -92,7 +92,7 @@ void dot_rows(const float* x, const float* w, float* out, int64_t rows, int64_t 
 
 void raw::dense_matmul(const float* x, int64_t rows, int64_t k, const float* weight, int64_t n, float* out) {
   const int64_t tiles = (n + TILE_COLUMNS - 1) / TILE_COLUMNS;
-  split_work(0, tiles, 8, [&](int64_t begin, int64_t end) {
+  split_balanced(0, tiles, 8, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t first = tile * TILE_COLUMNS, last = std::min(n, first + TILE_COLUMNS);
       for (int64_t row = 0; row < rows; row += BLOCK_ROWS)

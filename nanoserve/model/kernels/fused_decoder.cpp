@@ -184,6 +184,11 @@ class FusedDecoder {
 
   bool one_region = true;  // off: kernel after kernel at every step (the region path's reference in tests)
 
+  // Each thread's speed over the threads' geometric mean, as the region's matmuls have measured it (empty
+  // before the first); tests set it to cut the matmuls unevenly.
+  std::vector<double> thread_speeds() const { return balance_.learned.relative(); }
+  void set_thread_speeds(const std::vector<double>& speeds) { balance_.learned.set_relative(speeds); }
+
   // Whether a step of `rows` rows can run in one region: the weights fit one (weights_fit_one_region) and
   // every matmul is quant_matmul or (float32) dense_matmul at that size: the region's kernels take raw
   // pointers and check nothing.
@@ -332,7 +337,7 @@ class FusedDecoder {
 
 #pragma omp parallel num_threads(at::get_num_threads())
     {
-      DecodeRegion region;
+      DecodeRegion region(&balance_);
       const T* stream = input;  // the residual stream: the embeddings, then `res`
       raw::rms_norm(input, layers[0].input_norm, hn, rows, hidden, eps);
       for (size_t i = 0; i < layers.size(); ++i) {
@@ -396,6 +401,7 @@ class FusedDecoder {
   std::vector<RegionLayer<float>> float_layers_;
   std::vector<RegionLayer<at::BFloat16>> bf16_layers_;
   at::Tensor final_norm_, embedding_, rotary_;  // rotary: the cos/sin table [positions, 2, head_dim]
+  mutable LoopBalance balance_;  // the threads' speeds, learned step after step
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_, softcap_;
 };
@@ -432,5 +438,6 @@ void register_fused_decoder(pybind11::module& m) {
                     double, double>())
       .def_readwrite("one_region", &FusedDecoder::one_region)
       .def("one_region_at", &FusedDecoder::one_region_at)
+      .def_property("thread_speeds", &FusedDecoder::thread_speeds, &FusedDecoder::set_thread_speeds)
       .def("forward", &FusedDecoder::forward, py::call_guard<py::gil_scoped_release>());
 }

@@ -88,7 +88,7 @@ void quant_matmul_impl(const T* x, const QuantizedRows* shared, const uint8_t* c
                        int64_t rows, int64_t k, int64_t n) {
   const int64_t groups = k / GROUP;
   static constexpr auto tiles = tile_kernels<BITS, T>(std::make_integer_sequence<int, MAX_ROWS>{});
-  split_work(0, n / TILE, 4, [&](int64_t begin, int64_t end) {
+  split_balanced(0, n / TILE, 4, [&](int64_t begin, int64_t end) {
     const QuantizedRows q = shared ? *shared : quantized_here(x, rows * groups);
     const quant_isa::Activations activations = quant_isa::prepare_activations(q.xq, rows, k);
     for (int64_t chunk = 0; chunk < rows; chunk += CHUNK_ROWS) {

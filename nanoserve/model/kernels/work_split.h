@@ -12,21 +12,125 @@
 // rotary, the residual adds), and a run of such loops needs no barrier between them: thread 0 sees its own
 // writes. The others meet it once, before the next loop they share: at batch 1 a decode layer meets 10 or 11
 // barriers instead of 17.
+//
+// The matmuls' loops (split_balanced) are cut by speed, not evenly. Cores do not all run at one speed: on a
+// shared VM one core took 1.4x as long as the other over the same weights for seconds at a time, and on a
+// hybrid CPU an efficiency core is slower for good. With equal shares the fast thread waits at every
+// barrier. Each balanced loop times each thread's share, and the next one is cut in proportion to the
+// speeds learned so far. Each output column is computed the same way whichever thread computes it, so the
+// results do not change, bit for bit.
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
 #include <cstdint>
+#include <utility>
+#include <vector>
+
+// How fast each thread of a region gets through a loop's items, relative to the others: the log of its
+// items per second less the threads' mean, averaged over the loops timed so far.
+class ThreadSpeeds {
+ public:
+  static constexpr int MAX_THREADS = 64;
+
+  ThreadSpeeds() = default;
+
+  // thread's part of [begin, end) when `threads` threads share it in proportion to their speeds
+  std::pair<int64_t, int64_t> share(int thread, int threads, int64_t begin, int64_t end) const {
+    if (threads != threads_) return even_share(thread, threads, begin, end);
+    double total = 0, before = 0;
+    for (int t = 0; t < threads; ++t) {
+      const double weight = std::exp(log_speed_[t]);
+      total += weight;
+      if (t < thread) before += weight;
+    }
+    const auto cut = [&](double at) { return begin + std::llround(static_cast<double>(end - begin) * (at / total)); };
+    return {cut(before), thread + 1 == threads ? end : cut(before + std::exp(log_speed_[thread]))};
+  }
+
+  // One loop's seconds per item by thread (0: a thread that had no items, and nothing is learned); the
+  // speeds move a tenth of the way toward that loop's.
+  void learn(const double* seconds_per_item, int threads) {
+    if (threads != threads_) *this = ThreadSpeeds(threads);
+    std::array<double, MAX_THREADS> log_speed;
+    double mean = 0;
+    for (int t = 0; t < threads; ++t) {
+      if (seconds_per_item[t] <= 0) return;
+      log_speed[t] = -std::log(seconds_per_item[t]);
+      mean += log_speed[t] / threads;
+    }
+    for (int t = 0; t < threads; ++t)
+      log_speed_[t] =
+          std::clamp(log_speed_[t] + LEARNING_RATE * (log_speed[t] - mean - log_speed_[t]), -MAX_LOG, MAX_LOG);
+  }
+
+  // each thread's speed over the threads' geometric mean (empty before any loop is timed)
+  std::vector<double> relative() const {
+    std::vector<double> ratios;
+    for (int t = 0; t < threads_; ++t) ratios.push_back(std::exp(log_speed_[t]));
+    return ratios;
+  }
+
+  // speeds set by hand, as ratios (tests cut loops unevenly with it)
+  void set_relative(const std::vector<double>& ratios) {
+    TORCH_CHECK_VALUE(ratios.size() <= MAX_THREADS, "ThreadSpeeds: at most ", MAX_THREADS, " threads");
+    *this = ThreadSpeeds(static_cast<int>(ratios.size()));
+    for (int t = 0; t < threads_; ++t) {
+      TORCH_CHECK_VALUE(ratios[t] > 0, "ThreadSpeeds: speeds must be positive");
+      log_speed_[t] = std::clamp(std::log(ratios[t]), -MAX_LOG, MAX_LOG);
+    }
+  }
+
+ private:
+  static constexpr double LEARNING_RATE = 0.1;
+  static constexpr double MAX_LOG = 1.1;  // no thread taken for more than 3x faster or slower than the mean
+
+  explicit ThreadSpeeds(int threads) : threads_(threads) {}
+
+  static std::pair<int64_t, int64_t> even_share(int thread, int threads, int64_t begin, int64_t end) {
+    const int64_t chunk = (end - begin + threads - 1) / threads;
+    return {std::min(end, begin + thread * chunk), std::min(end, begin + (thread + 1) * chunk)};
+  }
+
+  int threads_ = 0;
+  std::array<double, MAX_THREADS> log_speed_{};
+};
+
+// What the threads of a region share to cut their balanced loops: the speeds learned in earlier regions,
+// and each thread's time per item on the last two loops (two: a thread may start a loop while another
+// still reads the last one's times).
+struct LoopBalance {
+  ThreadSpeeds learned;
+  std::array<std::array<double, ThreadSpeeds::MAX_THREADS>, 2> seconds_per_item{};
+};
 
 inline thread_local bool in_decode_region = false;
 inline thread_local bool owes_barrier = false;  // thread 0 ran a loop alone since the last barrier
+inline thread_local LoopBalance* region_balance = nullptr;
+// This thread's copy of the speeds: every thread starts from the same `learned` and updates its copy from
+// the same times, so all cut each loop at the same points without a word between them.
+inline thread_local ThreadSpeeds region_speeds;
+inline thread_local int64_t balanced_loops = 0;
 
-// Marks this thread as inside FusedDecoder's region for its lifetime.
+// Marks this thread as inside FusedDecoder's region for its lifetime; `balance`, where given, cuts the
+// region's balanced loops.
 struct DecodeRegion {
-  DecodeRegion() { in_decode_region = true; }
-  ~DecodeRegion() { in_decode_region = owes_barrier = false; }  // the region's end is a barrier
+  explicit DecodeRegion(LoopBalance* balance = nullptr) {
+    in_decode_region = true;
+    region_balance = balance;
+    if (balance) region_speeds = balance->learned;
+    balanced_loops = 0;
+  }
+  ~DecodeRegion() {  // the region's end is a barrier
+    in_decode_region = owes_barrier = false;
+    region_balance = nullptr;
+  }
   DecodeRegion(const DecodeRegion&) = delete;
   DecodeRegion& operator=(const DecodeRegion&) = delete;
 };
@@ -54,4 +158,30 @@ void split_work(int64_t begin, int64_t end, int64_t grain, const F& f) {
   const int64_t first = begin + omp_get_thread_num() * chunk;
   if (first < end) f(first, std::min(end, first + chunk));
 #pragma omp barrier
+}
+
+// split_work for loops whose items cost the same on any thread (a matmul's column tiles): in a region with a
+// LoopBalance and enough items for every thread, each thread's share is in proportion to its speed, and
+// the speeds are learned from the time each share took.
+template <typename F>
+void split_balanced(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int threads = in_decode_region && region_balance ? omp_get_num_threads() : 1;
+  if (threads < 2 || threads > ThreadSpeeds::MAX_THREADS || end - begin < threads * grain) {
+    split_work(begin, end, grain, f);
+    return;
+  }
+  if (owes_barrier) {
+#pragma omp barrier
+    owes_barrier = false;
+  }
+  const int thread = omp_get_thread_num();
+  const auto [first, last] = region_speeds.share(thread, threads, begin, end);
+  const auto start = std::chrono::steady_clock::now();
+  if (first < last) f(first, last);
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+  double* seconds_per_item = region_balance->seconds_per_item[balanced_loops++ % 2].data();
+  seconds_per_item[thread] = first < last ? took.count() / static_cast<double>(last - first) : 0;
+#pragma omp barrier
+  region_speeds.learn(seconds_per_item, threads);
+  if (thread == 0) region_balance->learned = region_speeds;  // every thread copied it before this barrier
 }
