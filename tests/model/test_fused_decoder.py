@@ -167,6 +167,8 @@ def test_drafted_steps_stay_on_the_fused_decode_step(shape, tmp_path):
 
 UNEVEN_SPEEDS = (2.5, 0.4)
 """Thread speeds that cut the region's matmuls far from evenly (thread 0 takes 86 % with two threads)."""
+MAX_BALANCED_THREADS = 64
+"""Past this many threads the region cuts its matmuls evenly (ThreadSpeeds::MAX_THREADS)."""
 
 
 class RegionCheckingDecoder:
@@ -181,8 +183,8 @@ class RegionCheckingDecoder:
         self.fused.one_region = False
         reference = self.fused.forward(x, *args)
         self.fused.one_region = True
-        if self.region_steps % 2:
-            threads = torch.get_num_threads()
+        threads = torch.get_num_threads()
+        if self.region_steps % 2 and threads <= MAX_BALANCED_THREADS:
             self.fused.thread_speeds = [UNEVEN_SPEEDS[t % 2] for t in range(threads)]
         out = self.fused.forward(x, *args)
         assert torch.equal(out, reference), "the one-region step differs from kernel after kernel"
@@ -241,10 +243,10 @@ def test_the_region_learns_each_threads_speed(bundled_gguf_path):
     _greedy(engine, [list(range(100, 120))], "learn")
     engine.shutdown()
     speeds = fused.thread_speeds
-    if torch.get_num_threads() == 1:
+    if not 1 < torch.get_num_threads() <= MAX_BALANCED_THREADS:
         assert speeds == []
         return
-    assert len(speeds) == torch.get_num_threads() and all(1 / 3.01 < s < 3.01 for s in speeds)
+    assert len(speeds) == torch.get_num_threads() and all(0.1 < s < 10 for s in speeds)
     assert np.prod(speeds) == pytest.approx(1.0, rel=1e-6) and speeds != [1.0] * len(speeds)
     with pytest.raises(ValueError, match="speeds must be positive"):
         fused.thread_speeds = [1.0, 0.0]

@@ -401,7 +401,8 @@ class FusedDecoder {
   std::vector<RegionLayer<float>> float_layers_;
   std::vector<RegionLayer<at::BFloat16>> bf16_layers_;
   at::Tensor final_norm_, embedding_, rotary_;  // rotary: the cos/sin table [positions, 2, head_dim]
-  mutable LoopBalance balance_;  // the threads' speeds, learned step after step
+  // the threads' speeds, learned step after step: one forward at a time, as the KV caches need anyway
+  mutable LoopBalance balance_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_, softcap_;
 };

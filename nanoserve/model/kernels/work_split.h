@@ -34,28 +34,27 @@
 #include <vector>
 
 // How fast each thread of a region gets through a loop's items, relative to the others: the log of its
-// items per second less the threads' mean, averaged over the loops timed so far.
+// items per second less the threads' mean, an exponential average over the loops timed so far.
 class ThreadSpeeds {
  public:
   static constexpr int MAX_THREADS = 64;
 
   ThreadSpeeds() = default;
 
-  // thread's part of [begin, end) when `threads` threads share it in proportion to their speeds
+  // thread's part of [begin, end) when `threads` threads share it in proportion to their speeds. Thread t
+  // ends where thread t + 1 starts because both round the same stored boundary: summing the speeds here,
+  // per thread, would let the compiler sum them in a different order on each (fast-math) and lose a tile.
   std::pair<int64_t, int64_t> share(int thread, int threads, int64_t begin, int64_t end) const {
     if (threads != threads_) return even_share(thread, threads, begin, end);
-    double total = 0, before = 0;
-    for (int t = 0; t < threads; ++t) {
-      const double weight = std::exp(log_speed_[t]);
-      total += weight;
-      if (t < thread) before += weight;
-    }
-    const auto cut = [&](double at) { return begin + std::llround(static_cast<double>(end - begin) * (at / total)); };
-    return {cut(before), thread + 1 == threads ? end : cut(before + std::exp(log_speed_[thread]))};
+    const auto cut = [&](int boundary) {
+      return begin + std::llround(static_cast<double>(end - begin) * boundaries_[boundary]);
+    };
+    return {cut(thread), cut(thread + 1)};
   }
 
   // One loop's seconds per item by thread (0: a thread that had no items, and nothing is learned); the
-  // speeds move a tenth of the way toward that loop's.
+  // speeds move a tenth of the way toward that loop's. One loop counts for no more than MAX_LOG either way,
+  // so a thread pre-empted once does not lose its share for the next twenty loops.
   void learn(const double* seconds_per_item, int threads) {
     if (threads != threads_) *this = ThreadSpeeds(threads);
     std::array<double, MAX_THREADS> log_speed;
@@ -66,8 +65,8 @@ class ThreadSpeeds {
       mean += log_speed[t] / threads;
     }
     for (int t = 0; t < threads; ++t)
-      log_speed_[t] =
-          std::clamp(log_speed_[t] + LEARNING_RATE * (log_speed[t] - mean - log_speed_[t]), -MAX_LOG, MAX_LOG);
+      log_speed_[t] += LEARNING_RATE * (std::clamp(log_speed[t] - mean, -MAX_LOG, MAX_LOG) - log_speed_[t]);
+    settle();
   }
 
   // each thread's speed over the threads' geometric mean (empty before any loop is timed)
@@ -77,21 +76,42 @@ class ThreadSpeeds {
     return ratios;
   }
 
-  // speeds set by hand, as ratios (tests cut loops unevenly with it)
+  // speeds set by hand, as ratios to one another (tests cut loops unevenly with it)
   void set_relative(const std::vector<double>& ratios) {
     TORCH_CHECK_VALUE(ratios.size() <= MAX_THREADS, "ThreadSpeeds: at most ", MAX_THREADS, " threads");
     *this = ThreadSpeeds(static_cast<int>(ratios.size()));
     for (int t = 0; t < threads_; ++t) {
       TORCH_CHECK_VALUE(ratios[t] > 0, "ThreadSpeeds: speeds must be positive");
-      log_speed_[t] = std::clamp(std::log(ratios[t]), -MAX_LOG, MAX_LOG);
+      log_speed_[t] = std::log(ratios[t]);
     }
+    settle();
   }
 
  private:
   static constexpr double LEARNING_RATE = 0.1;
-  static constexpr double MAX_LOG = 1.1;  // no thread taken for more than 3x faster or slower than the mean
+  static constexpr double MAX_LOG = 1.1;  // 3x faster or slower than the mean, before centring
 
-  explicit ThreadSpeeds(int threads) : threads_(threads) {}
+  explicit ThreadSpeeds(int threads) : threads_(threads) { settle(); }
+
+  // the log speeds clamped and centred on 0, and the boundaries between the threads' shares from them
+  void settle() {
+    double mean = 0;
+    for (int t = 0; t < threads_; ++t) {
+      log_speed_[t] = std::clamp(log_speed_[t], -MAX_LOG, MAX_LOG);
+      mean += log_speed_[t] / threads_;
+    }
+    double total = 0;
+    for (int t = 0; t < threads_; ++t) {
+      log_speed_[t] -= mean;
+      total += std::exp(log_speed_[t]);
+    }
+    double before = 0;
+    for (int t = 0; t < threads_; ++t) {
+      boundaries_[t] = before / total;
+      before += std::exp(log_speed_[t]);
+    }
+    boundaries_[threads_] = 1;
+  }
 
   static std::pair<int64_t, int64_t> even_share(int thread, int threads, int64_t begin, int64_t end) {
     const int64_t chunk = (end - begin + threads - 1) / threads;
@@ -100,6 +120,7 @@ class ThreadSpeeds {
 
   int threads_ = 0;
   std::array<double, MAX_THREADS> log_speed_{};
+  std::array<double, MAX_THREADS + 1> boundaries_{};  // where each thread's share starts, as a fraction; 1 last
 };
 
 // What the threads of a region share to cut their balanced loops: the speeds learned in earlier regions,
@@ -160,7 +181,7 @@ void split_work(int64_t begin, int64_t end, int64_t grain, const F& f) {
 #pragma omp barrier
 }
 
-// split_work for loops whose items cost the same on any thread (a matmul's column tiles): in a region with a
+// split_work for loops whose items all cost the same (a matmul's column tiles): in a region with a
 // LoopBalance and enough items for every thread, each thread's share is in proportion to its speed, and
 // the speeds are learned from the time each share took.
 template <typename F>
