@@ -45,7 +45,7 @@ class ThreadSpeeds {
   // ends where thread t + 1 starts because both round the same stored boundary: summing the speeds here,
   // per thread, would let the compiler sum them in a different order on each (fast-math) and lose a tile.
   std::pair<int64_t, int64_t> share(int thread, int threads, int64_t begin, int64_t end) const {
-    if (threads != threads_) return even_share(thread, threads, begin, end);
+    if (threads != threads_) return ThreadSpeeds(threads).share(thread, threads, begin, end);  // even, as yet
     const auto cut = [&](int boundary) {
       return begin + std::llround(static_cast<double>(end - begin) * boundaries_[boundary]);
     };
@@ -100,22 +100,19 @@ class ThreadSpeeds {
       log_speed_[t] = std::clamp(log_speed_[t], -MAX_LOG, MAX_LOG);
       mean += log_speed_[t] / threads_;
     }
+    std::array<double, MAX_THREADS> speed;
     double total = 0;
     for (int t = 0; t < threads_; ++t) {
       log_speed_[t] -= mean;
-      total += std::exp(log_speed_[t]);
+      speed[t] = std::exp(log_speed_[t]);
+      total += speed[t];
     }
     double before = 0;
     for (int t = 0; t < threads_; ++t) {
       boundaries_[t] = before / total;
-      before += std::exp(log_speed_[t]);
+      before += speed[t];
     }
     boundaries_[threads_] = 1;
-  }
-
-  static std::pair<int64_t, int64_t> even_share(int thread, int threads, int64_t begin, int64_t end) {
-    const int64_t chunk = (end - begin + threads - 1) / threads;
-    return {std::min(end, begin + thread * chunk), std::min(end, begin + (thread + 1) * chunk)};
   }
 
   int threads_ = 0;
