@@ -164,10 +164,10 @@ class Sampler:
         self, logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
     ) -> torch.Tensor:
         assert self.kernels is not None
-        temperature = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params])
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
-        top_p = torch.tensor([p.top_p for p in params])
-        min_p = torch.tensor([p.min_p for p in params])
+        temperature = [0.0 if p.is_greedy else p.temperature for p in params]
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
         return self.kernels.sample_rows(logits, temperature, top_k, top_p, min_p, uniforms)
 
     def _uniforms(

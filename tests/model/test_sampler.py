@@ -340,15 +340,19 @@ def test_kernel_draws_match_exact_sampling_over_a_real_sized_vocabulary():
         for temperature, top_k, top_p, min_p in cases:
             uniforms = torch.rand(rows, generator=gen)
             tokens = module.sample_rows(
-                logits,
-                torch.full((rows,), temperature),
-                torch.full((rows,), top_k),
-                torch.full((rows,), top_p),
-                torch.full((rows,), min_p),
-                uniforms,
+                logits, [temperature] * rows, [top_k] * rows, [top_p] * rows, [min_p] * rows, uniforms
             ).tolist()
             for row in range(rows):
                 expected = exact_draw(logits[row], temperature, top_k, top_p, min_p, uniforms[row].item())
                 agree += tokens[row] == expected
                 total += 1
     assert total - agree <= 1, f"{total - agree} of {total} draws differ"
+
+
+def test_kernel_refuses_rules_that_do_not_match_its_rows():
+    module = cpu_kernels()
+    if module is None:
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    logits = torch.zeros(2, 64)
+    with pytest.raises(RuntimeError, match="one temperature, top_k, top_p, min_p and uniform per row"):
+        module.sample_rows(logits, [0.8], [0, 0], [1.0, 1.0], [0.0, 0.0], torch.rand(2))

@@ -130,8 +130,9 @@ void decode_attention(const T* q, const T* kv_cache, const int32_t* block_table,
                       const AttentionSplit& split, float* scratch, T* out);
 }  // namespace raw
 
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
-                          torch::Tensor top_p, torch::Tensor min_p, torch::Tensor uniforms);
+torch::Tensor sample_rows(torch::Tensor logits, const std::vector<float>& temperature,
+                          const std::vector<int64_t>& top_k, const std::vector<float>& top_p,
+                          const std::vector<float>& min_p, torch::Tensor uniforms);
 torch::Tensor greedy_rows(torch::Tensor logits);
 
 void register_fused_decoder(pybind11::module& m);
