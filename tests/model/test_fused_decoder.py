@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 from families import SHAPES, VOCAB, build_family
+from gguf_files import write_gguf
 
 from nanoserve.core.engine_core import EngineCore
 from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.loader import load_model_config
-from nanoserve.model.quant import fast_kernels, quantization_error
+from nanoserve.model.quant import GROUP_SIZE, fast_kernels, quantization_error
 from tests.core.engine_steps import request, run_to_completion, tiny_engine
 
 FUSED_SHAPES = (
@@ -228,6 +229,19 @@ def test_one_region_step_on_the_bundled_model(bundled_gguf_path, dtype, quantiza
     engine = EngineCore(options)
     checking = _check_regions(engine, [list(range(100 + 7 * i, 120 + 9 * i)) for i in range(5)])
     engine.shutdown()
+    assert checking.region_steps > 0 and {1, 5} <= checking.batch_sizes
+
+
+def test_one_region_step_on_a_q8_0_file(tmp_path):
+    """A Q8_0 file's symmetric codes are packed with their scales alone, and region steps run them."""
+    needs_quant_matmul()
+    folder = build_family("qwen3-gqa-tied", tmp_path / "hf")
+    engine = _engine(write_gguf(folder, tmp_path / "model-Q8_0.gguf", "Q8_0"), "auto", quantization="auto")
+    model = engine.runner.model
+    assert model is not None
+    weights = model.quantized_weights()
+    assert weights and all(w.scales.numel() * GROUP_SIZE == w.codes.numel() for w in weights)
+    checking = _check_regions(engine, _prompts(5, seed=6))
     assert checking.region_steps > 0 and {1, 5} <= checking.batch_sizes
 
 

@@ -23,6 +23,7 @@ from nanoserve.model.quant import (
     pack_torch_int4,
     quantization_error,
     quantize_weight,
+    symmetric_codes,
 )
 
 CPU = torch.device("cpu")
@@ -59,6 +60,45 @@ def test_quant_matmul_equals_quantized_reference(kernels, bits, rows):
     torch.testing.assert_close(out, int8_activations(x) @ weight.T, atol=0.05, rtol=0.02)
     exact = x @ weight.T
     assert (out - exact).norm() < 0.01 * exact.norm()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6, 21])
+def test_symmetric_8bit_codes_pack_with_the_scale_alone(kernels, rows):
+    """Codes whose offset is -128 times the scale (Q8_0's) keep no offsets: 34 bytes a group, the same
+    products as the dequantized weight."""
+    needs_quant_matmul(kernels)
+    torch.manual_seed(rows)
+    weight = torch.randn(320, 576) * 0.05
+    codes = symmetric_codes(weight)
+    assert codes is not None
+    packed = pack_groups(codes, kernels.quant_matmul)
+    assert packed is not None and packed.nbytes == weight.numel() * 34 // 32
+    x = torch.randn(rows, 576)
+    reference = int8_activations(x) @ codes.dequantize().T
+    torch.testing.assert_close(packed.matmul(x), reference, atol=1e-4, rtol=1e-4)
+
+
+def test_symmetric_codes_give_q8_0_values_back():
+    """A weight dequantized from Q8_0 (w = d * q, q in -127..127 reaching 127 in each group) gets its own
+    codes and scales back, so the lm_head of a Q8_0 file is served with the file's values."""
+    torch.manual_seed(0)
+    q = torch.randint(-127, 128, (64, 8, 32))
+    q[..., 0] = 127 * torch.where(torch.rand(64, 8) < 0.5, 1, -1)
+    d = (torch.rand(64, 8) * 0.01 + 1e-4).half()
+    weight = (q * d.float().unsqueeze(-1)).view(64, 256)
+    codes = symmetric_codes(weight)
+    assert codes is not None
+    assert torch.equal(codes.scale, d) and torch.equal(codes.codes.long() - 128, q)
+    assert torch.equal(codes.dequantize(), weight)
+
+
+def test_quant_matmul_refuses_4bit_codes_without_offsets(kernels):
+    needs_quant_matmul(kernels)
+    packed = pack_groups(group_codes(torch.randn(32, 64), 4), kernels.quant_matmul)
+    assert packed is not None
+    scale_only = packed.scales.view(2, 2, 2, 16)[:, :, :1].contiguous()
+    with pytest.raises(RuntimeError, match="scales do not match codes"):
+        kernels.quant_matmul(torch.randn(1, 64), packed.codes, scale_only, 4)
 
 
 def test_torch_int4_reproduces_weights_on_its_grid():

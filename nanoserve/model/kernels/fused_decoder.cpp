@@ -48,7 +48,9 @@ template <typename T>
 struct RegionMatmul {
   const uint8_t* codes;     // quant_matmul's codes and scales, for steps of up to max_tokens rows, or null
   const at::Half* scales;
-  int64_t bits, max_tokens;
+  int64_t bits;
+  bool lows;  // a low beside each scale, or (8 bits) low = -128 * scale
+  int64_t max_tokens;
   const float* dense;  // dense_matmul's weight for the other steps (float32 models), or null
   const T* bias;       // or null
   int64_t k, n;
@@ -56,7 +58,7 @@ struct RegionMatmul {
   // x [rows, k] -> out [rows, n] in a step that FusedDecoder::one_region_at(rows) lets run in a region
   void into(const T* x, int64_t rows, const QuantScratch& scratch, T* out) const {
     if (codes && rows <= max_tokens)
-      raw::quant_matmul(x, rows, k, codes, scales, bits, n, scratch, out);
+      raw::quant_matmul(x, rows, k, codes, scales, bits, lows, n, scratch, out);
     else if constexpr (std::is_same_v<T, float>)
       raw::dense_matmul(x, rows, k, dense, n, out);
     if (bias) raw::add_bias(out, bias, rows, n);
@@ -105,6 +107,7 @@ struct FusedMatmul {
     return {groups ? codes.data_ptr<uint8_t>() : nullptr,
             groups ? scales.data_ptr<at::Half>() : nullptr,
             bits,
+            groups && quant_scales_have_lows(scales.numel(), weight.size(1), weight.size(0), bits),
             max_tokens,
             dense_float32() ? weight.data_ptr<float>() : nullptr,
             bias ? bias->data_ptr<T>() : nullptr,

@@ -65,6 +65,9 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor gelu_tanh_and_mul(torch::Tensor x);
 bool quant_matmul_supported();
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits);
+// whether quant_matmul's scales (this many float16 values, for a k x n weight) hold a low beside each scale;
+// raises where they fit neither layout
+bool quant_scales_have_lows(int64_t scales, int64_t k, int64_t n, int64_t bits);
 torch::Tensor dense_matmul(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
 
 // quant_matmul's layout (quant_matmul.cpp): groups of 32 inputs, tiles of 16 output columns.
@@ -79,9 +82,9 @@ constexpr int64_t TILE = 16;
 // and the prefetch took gate_up from 9.6 to 13-14 GB/s and a batch-1 decode step to 0.82x the time; on
 // an AVX-512 Xeon gate_up went from 42 to 48 GB/s, down from 42 to 46 and the 8-bit lm_head from 44 to 51.
 constexpr int64_t PREFETCH_BYTES = 4096;
-template <int BITS>
+template <int BITS, bool LOWS>
 inline void prefetch_group_ahead(const uint8_t* codes, const at::Half* scales) {
-  constexpr int64_t group_bytes = GROUP * TILE * BITS / 8, scale_bytes = 2 * TILE * sizeof(at::Half);
+  constexpr int64_t group_bytes = GROUP * TILE * BITS / 8, scale_bytes = (LOWS ? 2 : 1) * TILE * sizeof(at::Half);
   for (int64_t line = 0; line < group_bytes; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(codes) + PREFETCH_BYTES + line, _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(scales) + PREFETCH_BYTES / group_bytes * scale_bytes, _MM_HINT_T0);
@@ -119,7 +122,7 @@ void rope_write_kv(const T* qkv, const T* cos_sin, T* q, T* cache, const int64_t
 template <typename T>
 void act_and_mul(bool gelu, const T* x, T* out, int64_t rows, int64_t width);
 template <typename T>
-void quant_matmul(const T* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales, int64_t bits,
+void quant_matmul(const T* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales, int64_t bits, bool lows,
                   int64_t n, const QuantScratch& scratch, T* out);
 // x [rows, k] @ weight [n, k].T -> out [rows, n], float32 throughout
 void dense_matmul(const float* x, int64_t rows, int64_t k, const float* weight, int64_t n, float* out);

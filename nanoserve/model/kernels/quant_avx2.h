@@ -8,7 +8,8 @@
 // (8 * 3810 < 32767) and are widened once. 8 bits: code * 127 does not fit, so each code is taken as
 // code - 128 in [-128, 127], its sign moved onto the activation (vpsignb) and its magnitude multiplied
 // unsigned (pairs at most 2 * 128 * 127); the 128 comes back through the offset: w = (code - 128) *
-// scale + (low + 128 * scale).
+// scale + (low + 128 * scale). Without LOWS (8 bits, low = -128 * scale: symmetric codes, GGUF's Q8_0) that
+// offset is zero and its multiply-add is left out.
 #pragma once
 
 #include <immintrin.h>
@@ -119,29 +120,34 @@ inline void group_dots(const uint8_t* c, const Activations& x, int64_t g, __m256
 // in their first 32 bytes, 8-15 in the second). Up to two rows take all 16 columns in one pass; more rows'
 // sums and accumulators would not fit the 16 registers, so they take 8 columns a pass. `prefetch`: fetch
 // the codes ahead, in the first pass (set for a chunk's first block of rows: later blocks find them cached).
-template <int BITS, int ROWS, bool BROADCAST, typename T>
+template <int BITS, bool LOWS, int ROWS, bool BROADCAST, typename T>
 void tile_rows_with(const Activations& x, const float* x_scales, const float* x_sums, const uint8_t* codes,
                     const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile, bool prefetch) {
+  static_assert(LOWS || BITS == 8, "4-bit codes always have offsets");
   constexpr int HALVES = ROWS <= 2 ? 2 : 1;
+  constexpr int64_t scale_stride = (LOWS ? 2 : 1) * TILE;
   const int64_t groups = k / GROUP, group_bytes = GROUP * TILE * BITS / 8;
   for (int64_t pass = 0; pass < TILE / HALF / HALVES; ++pass) {
     const uint8_t* c = codes + tile * groups * group_bytes + 32 * HALVES * pass;
-    const at::Half* s = scales + tile * groups * 2 * TILE + HALF * HALVES * pass;
+    const at::Half* s = scales + tile * groups * scale_stride + HALF * HALVES * pass;
     __m256 acc[HALVES][ROWS];
     for (int h = 0; h < HALVES; ++h)
       for (int r = 0; r < ROWS; ++r) acc[h][r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g, c += group_bytes, s += 2 * TILE) {
-      if (prefetch && pass == 0) prefetch_group_ahead<BITS>(c, s);
+    for (int64_t g = 0; g < groups; ++g, c += group_bytes, s += scale_stride) {
+      if (prefetch && pass == 0) prefetch_group_ahead<BITS, LOWS>(c, s);
       __m256i dot[HALVES][ROWS];
       group_dots<BITS, ROWS, HALVES, BROADCAST>(c, x, g, dot);
       for (int h = 0; h < HALVES; ++h) {
         const __m256 w_scale = half_to_float(s + HALF * h);
-        __m256 w_low = half_to_float(s + TILE + HALF * h);
-        if constexpr (BITS == 8) w_low = _mm256_fmadd_ps(w_scale, _mm256_set1_ps(128.f), w_low);
         for (int r = 0; r < ROWS; ++r) {
           const __m256 scale = _mm256_mul_ps(w_scale, _mm256_set1_ps(x_scales[r * groups + g]));
           acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h][r]), scale, acc[h][r]);
-          acc[h][r] = _mm256_fmadd_ps(w_low, _mm256_set1_ps(x_sums[r * groups + g]), acc[h][r]);
+        }
+        if constexpr (LOWS) {
+          __m256 w_low = half_to_float(s + TILE + HALF * h);
+          if constexpr (BITS == 8) w_low = _mm256_fmadd_ps(w_scale, _mm256_set1_ps(128.f), w_low);
+          for (int r = 0; r < ROWS; ++r)
+            acc[h][r] = _mm256_fmadd_ps(w_low, _mm256_set1_ps(x_sums[r * groups + g]), acc[h][r]);
         }
       }
     }
@@ -152,13 +158,14 @@ void tile_rows_with(const Activations& x, const float* x_scales, const float* x_
 
 // tile_rows_with the quads from x's buffer where it has one (a matmul of more rows has none, the last block
 // of one or two rows included)
-template <int BITS, int ROWS, typename T>
+template <int BITS, bool LOWS, int ROWS, typename T>
 void tile_rows(const Activations& x, const float* x_scales, const float* x_sums, const uint8_t* codes,
                const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile, bool prefetch) {
   if constexpr (ROWS <= BROADCAST_ROWS) {
-    if (x.quads) return tile_rows_with<BITS, ROWS, true>(x, x_scales, x_sums, codes, scales, out, k, n, tile, prefetch);
+    if (x.quads)
+      return tile_rows_with<BITS, LOWS, ROWS, true>(x, x_scales, x_sums, codes, scales, out, k, n, tile, prefetch);
   }
-  tile_rows_with<BITS, ROWS, false>(x, x_scales, x_sums, codes, scales, out, k, n, tile, prefetch);
+  tile_rows_with<BITS, LOWS, ROWS, false>(x, x_scales, x_sums, codes, scales, out, k, n, tile, prefetch);
 }
 
 // One group of 32 activations to int8 (scale = max |x| / 127), with its scale and the sum of its quantized

@@ -52,16 +52,19 @@ inline void store(at::BFloat16* out, __m512 values) {  // round to nearest even,
 // quad: one row's 8 dependent VNNI steps alone would wait on each other's latency. Each activation quad
 // is a broadcast memory operand of the VNNI instruction itself (GCC does not fold the broadcast).
 // `prefetch`: fetch the codes ahead (set for a chunk's first block of rows: later blocks find them cached).
-template <int BITS, int ROWS, typename T>
+// Without LOWS (8 bits, symmetric codes) each group's offset is -128 * scale, computed here, not read.
+template <int BITS, bool LOWS, int ROWS, typename T>
 void tile_rows(const Activations& x, const float* x_scales, const float* x_sums, const uint8_t* codes,
                const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile, bool prefetch) {
+  static_assert(LOWS || BITS == 8, "4-bit codes always have offsets");
+  constexpr int64_t scale_stride = (LOWS ? 2 : 1) * TILE;
   const int64_t groups = k / GROUP, group_bytes = GROUP * TILE * BITS / 8;
   const uint8_t* c = codes + tile * groups * group_bytes;
-  const at::Half* s = scales + tile * groups * 2 * TILE;
+  const at::Half* s = scales + tile * groups * scale_stride;
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g, c += group_bytes, s += 2 * TILE) {
-    if (prefetch) prefetch_group_ahead<BITS>(c, s);
+  for (int64_t g = 0; g < groups; ++g, c += group_bytes, s += scale_stride) {
+    if (prefetch) prefetch_group_ahead<BITS, LOWS>(c, s);
     __m512i quads[8];
     load_group<BITS>(c, quads);
     __m512i dot[ROWS];
@@ -72,7 +75,8 @@ void tile_rows(const Activations& x, const float* x_scales, const float* x_sums,
         __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(dot[r]) : "v"(quads[q]), "m"(xg[q]));
       }
     }
-    const __m512 w_scale = half_to_float(s), w_low = half_to_float(s + TILE);
+    const __m512 w_scale = half_to_float(s);
+    const __m512 w_low = LOWS ? half_to_float(s + TILE) : _mm512_mul_ps(w_scale, _mm512_set1_ps(-128.f));
     for (int r = 0; r < ROWS; ++r) {
       const __m512 scale = _mm512_mul_ps(w_scale, _mm512_set1_ps(x_scales[r * groups + g]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);

@@ -1,5 +1,6 @@
 // quant_matmul: x @ W.T with W in groups of 32 inputs, 4- or 8-bit unsigned codes, a scale and an offset
-// per group (w = code * scale + low).
+// per group (w = code * scale + low), or for 8 bits a scale alone (w = (code - 128) * scale: symmetric codes,
+// GGUF's Q8_0, 34 bytes a group instead of 36).
 //
 // A decode step reads every weight once and does little arithmetic with it. Expanding codes to floats
 // costs more instructions than the memory system needs to deliver them, so the activations are quantized
@@ -14,7 +15,8 @@
 // columns and each dot product lands in one lane per column (no horizontal sums):
 //   4 bits: [N / 16, K / 32, 4, 16 columns, 4 inputs], quad q in the low nibbles and quad q + 4 in the high
 //   8 bits: [N / 16, K / 32, 8, 16 columns, 4 inputs]
-//   scales: float16 [N / 16, K / 32, 2, 16 columns] (scale, then low): GGUF's Q4_0/Q4_1/Q8_0 values exactly
+//   scales: float16 [N / 16, K / 32, 2, 16 columns] (scale, then low): GGUF's Q4_0/Q4_1/Q8_0 values exactly,
+//           or [N / 16, K / 32, 1, 16 columns] (scale; low = -128 * scale) for symmetric 8-bit codes
 #include "kernels.h"
 #include "work_split.h"
 
@@ -74,20 +76,20 @@ QuantizedRows quantized_here(const T* x, int64_t groups) {
 }
 
 // tile_rows for 1..MAX_ROWS rows, indexed by rows - 1
-template <int BITS, typename T, int... R>
+template <int BITS, bool LOWS, typename T, int... R>
 constexpr auto tile_kernels(std::integer_sequence<int, R...>) {
-  return std::array{&quant_isa::tile_rows<BITS, R + 1, T>...};
+  return std::array{&quant_isa::tile_rows<BITS, LOWS, R + 1, T>...};
 }
 
 // Each thread takes a share of the tiles and, for up to CHUNK_ROWS rows at a time, finishes a tile before
 // the next: its codes stay in L1 for all those rows, and a weight larger than the caches (the lm_head) is
 // read from memory once per chunk, not once per MAX_ROWS rows. x comes quantized (`shared`), or each
 // thread quantizes it for itself.
-template <int BITS, typename T>
+template <int BITS, bool LOWS, typename T>
 void quant_matmul_impl(const T* x, const QuantizedRows* shared, const uint8_t* codes, const at::Half* scales, T* out,
                        int64_t rows, int64_t k, int64_t n) {
   const int64_t groups = k / GROUP;
-  static constexpr auto tiles = tile_kernels<BITS, T>(std::make_integer_sequence<int, MAX_ROWS>{});
+  static constexpr auto tiles = tile_kernels<BITS, LOWS, T>(std::make_integer_sequence<int, MAX_ROWS>{});
   split_balanced(0, n / TILE, 4, [&](int64_t begin, int64_t end) {
     const QuantizedRows q = shared ? *shared : quantized_here(x, rows * groups);
     const quant_isa::Activations activations = quant_isa::prepare_activations(q.xq, rows, k);
@@ -109,12 +111,14 @@ void quant_matmul_impl(const T* x, const QuantizedRows* shared, const uint8_t* c
 // x [rows, k] quantized (into scratch, or by each thread for itself), then times the codes into out [rows, n]
 template <typename T>
 void quantize_and_multiply(const T* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales,
-                           int64_t bits, int64_t n, const QuantScratch& scratch, T* out) {
+                           int64_t bits, bool lows, int64_t n, const QuantScratch& scratch, T* out) {
   const int64_t groups = rows * k / GROUP;
   std::optional<QuantizedRows> shared;
   if (groups >= SHARED_QUANTIZE_GROUPS) shared = quantize_shared(x, groups, scratch);
-  (bits == 4 ? quant_matmul_impl<4, T> : quant_matmul_impl<8, T>)(x, shared ? &*shared : nullptr, codes, scales, out,
-                                                                   rows, k, n);
+  const auto impl = bits == 4 ? quant_matmul_impl<4, true, T>
+                    : lows    ? quant_matmul_impl<8, true, T>
+                              : quant_matmul_impl<8, false, T>;
+  impl(x, shared ? &*shared : nullptr, codes, scales, out, rows, k, n);
 }
 
 #endif  // NANOSERVE_QUANT_MATMUL
@@ -129,6 +133,14 @@ bool quant_matmul_supported() {
 #endif
 }
 
+bool quant_scales_have_lows(int64_t scales, int64_t k, int64_t n, int64_t bits) {
+  const int64_t one_per_group_and_column = n / quant_isa::TILE * (k / quant_isa::GROUP) * quant_isa::TILE;
+  TORCH_CHECK(scales == 2 * one_per_group_and_column || (bits == 8 && scales == one_per_group_and_column),
+              "quant_matmul: scales do not match codes (a scale and a low per group and column, or for 8 bits a "
+              "scale alone)");
+  return scales == 2 * one_per_group_and_column;
+}
+
 // x: [M, K]; codes and scales as laid out above, bits 4 or 8 -> [M, N] in x's dtype.
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits) {
 #ifdef NANOSERVE_QUANT_MATMUL
@@ -137,7 +149,7 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kHalf);
   const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0) * TILE;
   TORCH_CHECK(k % GROUP == 0 && codes.size(1) == k * TILE * bits / 8, "quant_matmul: codes do not match x");
-  TORCH_CHECK(scales.numel() == n / TILE * (k / GROUP) * 2 * TILE, "quant_matmul: scales do not match codes");
+  const bool lows = quant_scales_have_lows(scales.numel(), k, n, bits);
   auto xq = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
   auto x_scales = torch::empty({rows, k / GROUP}, x.options().dtype(torch::kFloat32));
   auto x_sums = torch::empty_like(x_scales);
@@ -146,11 +158,11 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   auto xc = x.contiguous();
   if (xc.scalar_type() == torch::kBFloat16) {
     quantize_and_multiply(xc.data_ptr<at::BFloat16>(), rows, k, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
-                          bits, n, scratch, out.data_ptr<at::BFloat16>());
+                          bits, lows, n, scratch, out.data_ptr<at::BFloat16>());
   } else {
     TORCH_CHECK(xc.scalar_type() == torch::kFloat32, "quant_matmul: bfloat16 or float32 x");
     quantize_and_multiply(xc.data_ptr<float>(), rows, k, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), bits,
-                          n, scratch, out.data_ptr<float>());
+                          lows, n, scratch, out.data_ptr<float>());
   }
   return out;
 #else
@@ -160,14 +172,14 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 
 template <typename T>
 void raw::quant_matmul(const T* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales, int64_t bits,
-                       int64_t n, const QuantScratch& scratch, T* out) {
+                       bool lows, int64_t n, const QuantScratch& scratch, T* out) {
 #ifdef NANOSERVE_QUANT_MATMUL
-  quantize_and_multiply(x, rows, k, codes, scales, bits, n, scratch, out);
+  quantize_and_multiply(x, rows, k, codes, scales, bits, lows, n, scratch, out);
 #else
   TORCH_CHECK(false, "quant_matmul needs AVX-512 VNNI or AVX2; check quant_matmul_supported() first");
 #endif
 }
-template void raw::quant_matmul(const at::BFloat16*, int64_t, int64_t, const uint8_t*, const at::Half*, int64_t,
+template void raw::quant_matmul(const at::BFloat16*, int64_t, int64_t, const uint8_t*, const at::Half*, int64_t, bool,
                                 int64_t, const QuantScratch&, at::BFloat16*);
-template void raw::quant_matmul(const float*, int64_t, int64_t, const uint8_t*, const at::Half*, int64_t, int64_t,
-                                const QuantScratch&, float*);
+template void raw::quant_matmul(const float*, int64_t, int64_t, const uint8_t*, const at::Half*, int64_t, bool,
+                                int64_t, const QuantScratch&, float*);

@@ -41,6 +41,7 @@ from nanoserve.model.quant import (
     move_to_huge_pages,
     pack_codes,
     quantize_weight,
+    symmetric_codes,
 )
 
 
@@ -201,7 +202,8 @@ class CausalLM(nn.Module):
     ) -> None:
         """Add quantized copies of the matmul weights (see nanoserve.model.quant): the decoder layers'
         (experts' included) in 4 or 8 bits; the lm_head's, the largest single weight of a small model, in
-        8 bits, and only with the C++ kernel (4 bits there raised perplexity by 8%). codes: a GGUF file's
+        symmetric 8 bits (Q8_0's rule: the file's own values where it shipped Q8_0), and only with the C++
+        kernel (4 bits there raised perplexity by 8%). codes: a GGUF file's
         own codes by parameter name, packed as they are; with method auto only those weights are quantized
         (and the lm_head only where the file quantized it). matmul_choice: how each weight's largest
         quantized step is set (nanoserve.model.matmul_choice)."""
@@ -216,10 +218,10 @@ class CausalLM(nn.Module):
                     module.quantized = quantize_weight(module.weight, bits, kernels)
         head_codes = codes.get("embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
         if fast_kernels(kernels) and (bits is not None or head_codes is not None):
-            if head_codes is not None and head_codes.bits == 8:
+            if head_codes is None or head_codes.bits != 8:
+                head_codes = symmetric_codes(self.lm_head_weight)
+            if head_codes is not None:
                 self.quantized_lm_head = pack_codes(head_codes, kernels)
-            else:
-                self.quantized_lm_head = quantize_weight(self.lm_head_weight, 8, kernels)
             if self.quantized_lm_head is not None:
                 self.quantized_lm_head.max_tokens = LM_HEAD_QUANT_MAX_ROWS
         move_to_huge_pages(self.quantized_weights())
