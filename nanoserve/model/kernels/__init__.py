@@ -1,6 +1,6 @@
 """C++ CPU kernels, compiled on first use for the machine they run on (torch's JIT extension build).
 
-The build takes about half a minute once; `python -m nanoserve.model.kernels` does it ahead of time
+The build runs once and takes minutes on a small machine (4-5 on 2 Zen 1 cores); `python -m nanoserve.model.kernels` does it ahead of time
 (make setup does). The library lands in NANOSERVE_KERNEL_DIR (default ~/.cache/nanoserve/kernels) under
 a name that hashes the source, the flags and the CPU (`-march=native` code built on one CPU may not run on
 another that shares the home folder), and a later process imports it directly: torch's loader would
@@ -115,7 +115,7 @@ def cpu_kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         folder.mkdir(parents=True, exist_ok=True)
-        logger.info("building the C++ CPU kernels (once, about half a minute)")
+        logger.info("building the C++ CPU kernels (once; minutes on a small machine)")
         return load(
             name,
             [str(source) for source in SOURCES],
