@@ -92,6 +92,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}.")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:

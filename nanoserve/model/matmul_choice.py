@@ -68,7 +68,10 @@ def cache_file() -> Path:
 
 
 def shape_key(role: str, quantized: QuantizedWeight, shape: tuple[int, int], dtype: torch.dtype) -> str:
-    kind = f"int{quantized.bits}" if isinstance(quantized, GroupQuantWeight) else type(quantized).__name__
+    if isinstance(quantized, GroupQuantWeight):
+        kind = f"int{quantized.bits}" + ("-symmetric" if quantized.symmetric else "")
+    else:
+        kind = type(quantized).__name__
     return f"{library_name(cpu_identity())} {METHOD} {dtype} {role} {kind} {shape[0]}x{shape[1]}"
 
 

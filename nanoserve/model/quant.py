@@ -62,7 +62,8 @@ class QuantizedWeight(Protocol):
 @dataclass
 class GroupQuantWeight:
     """Weights for the C++ quant_matmul (nanoserve/model/kernels/quant_matmul.cpp): unsigned codes in
-    tiles of 16 output columns, a float16 scale and offset per group."""
+    tiles of 16 output columns, a float16 scale and offset per group, or for symmetric 8-bit codes the
+    scale alone."""
 
     codes: Tensor
     scales: Tensor
@@ -76,6 +77,11 @@ class GroupQuantWeight:
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
+
+    @property
+    def symmetric(self) -> bool:
+        """8-bit codes packed with their scales alone (offset -128 * scale)."""
+        return self.bits == 8 and self.scales.numel() * GROUP_SIZE == self.codes.numel()
 
 
 @dataclass
@@ -172,8 +178,8 @@ class GroupCodes:
 
 def symmetric_codes(weight: Tensor) -> GroupCodes | None:
     """[N, K] -> 8-bit codes q + 128 with q = round(w / scale), scale = max |w| / 127 per group (Q8_0's
-    rule, so a weight dequantized from Q8_0 gets its own codes back), offset -128 * scale; None as for
-    group_codes."""
+    scale; a float32 weight dequantized from Q8_0 gets its own codes back), offset -128 * scale; None as
+    for group_codes."""
     n, k = weight.shape
     if k % GROUP_SIZE:
         return None

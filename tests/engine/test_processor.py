@@ -118,6 +118,11 @@ def test_invalid_sampling_values(processor):
         processor.process("r", [5], params)
 
 
+def test_top_k_that_is_not_an_integer_is_refused(processor):
+    with pytest.raises(ValueError, match="top_k must be an integer"):
+        processor.process("r", [5], SamplingParams(top_k=50.0))  # ty: ignore[invalid-argument-type]
+
+
 def test_bad_prompt_type(processor):
     with pytest.raises(ValueError, match="prompt"):
         processor.process("r", 42, SamplingParams())

@@ -93,3 +93,18 @@ def test_steps_beyond_the_limit_take_the_unquantized_matmul(tiny_gqa_dir, kernel
             quantized = rows <= 8
             assert torch.equal(qkv(x), qkv.quantized.matmul(x) if quantized else qkv.unquantized(x))
             assert not torch.equal(qkv.quantized.matmul(x), qkv.unquantized(x))
+
+
+def test_symmetric_and_min_max_8bit_codes_keep_separate_limits():
+    """The two 8-bit layouts run different inner loops, so a limit measured for one is not the other's."""
+    from nanoserve.model.quant import group_codes, pack_groups, symmetric_codes
+
+    weight = torch.randn(32, 64)
+    packed = []
+    for codes in (symmetric_codes(weight), group_codes(weight, 8)):
+        assert codes is not None
+        packed.append(pack_groups(codes, torch.matmul))  # the key never calls the kernel
+    symmetric, min_max = packed
+    assert symmetric is not None and min_max is not None and symmetric.symmetric and not min_max.symmetric
+    keys = {matmul_choice.shape_key("linear", w, (32, 64), torch.float32) for w in (symmetric, min_max)}
+    assert len(keys) == 2

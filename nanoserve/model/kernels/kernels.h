@@ -67,7 +67,7 @@ bool quant_matmul_supported();
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits);
 // whether quant_matmul's scales (this many float16 values, for a k x n weight) hold a low beside each scale;
 // raises where they fit neither layout
-bool quant_scales_have_lows(int64_t scales, int64_t k, int64_t n, int64_t bits);
+bool quant_scales_have_lows(int64_t scale_count, int64_t k, int64_t n, int64_t bits);
 torch::Tensor dense_matmul(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
 
 // quant_matmul's layout (quant_matmul.cpp): groups of 32 inputs, tiles of 16 output columns.

@@ -76,7 +76,11 @@ void tile_rows(const Activations& x, const float* x_scales, const float* x_sums,
       }
     }
     const __m512 w_scale = half_to_float(s);
-    const __m512 w_low = LOWS ? half_to_float(s + TILE) : _mm512_mul_ps(w_scale, _mm512_set1_ps(-128.f));
+    __m512 w_low;
+    if constexpr (LOWS)
+      w_low = half_to_float(s + TILE);
+    else
+      w_low = _mm512_mul_ps(w_scale, _mm512_set1_ps(-128.f));
     for (int r = 0; r < ROWS; ++r) {
       const __m512 scale = _mm512_mul_ps(w_scale, _mm512_set1_ps(x_scales[r * groups + g]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);

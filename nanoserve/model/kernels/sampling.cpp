@@ -186,8 +186,9 @@ int64_t sample_row(const float* x, int64_t vocab, const RowRule& rule) {
 torch::Tensor sample_rows(torch::Tensor logits, const std::vector<float>& temperature,
                           const std::vector<int64_t>& top_k, const std::vector<float>& top_p,
                           const std::vector<float>& min_p, torch::Tensor uniforms) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
-              "sample_rows: contiguous float32 logits [rows, vocab]");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous() &&
+                  logits.is_cpu() && uniforms.is_cpu(),
+              "sample_rows: contiguous float32 logits [rows, vocab] and uniforms on the CPU");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const auto length = static_cast<size_t>(rows);
   TORCH_CHECK(temperature.size() == length && top_k.size() == length && top_p.size() == length &&
