@@ -1,7 +1,7 @@
 """C++ CPU kernels, compiled on first use for the machine they run on (torch's JIT extension build).
 
-The build runs once and takes minutes on a small machine (4-5 on 2 Zen 1 cores); `python -m nanoserve.model.kernels` does it ahead of time
-(make setup does). The library lands in NANOSERVE_KERNEL_DIR (default ~/.cache/nanoserve/kernels) under
+The build runs once and takes minutes on a small machine (4-5 on 2 Zen 1 cores); `python -m
+nanoserve.model.kernels` does it ahead of time (make setup does). The library lands in NANOSERVE_KERNEL_DIR (default ~/.cache/nanoserve/kernels) under
 a name that hashes the source, the flags and the CPU (`-march=native` code built on one CPU may not run on
 another that shares the home folder), and a later process imports it directly: torch's loader would
 take a lock file and rerun ninja in every engine start, and a process killed while holding that lock

@@ -84,7 +84,8 @@ constexpr int64_t TILE = 16;
 constexpr int64_t PREFETCH_BYTES = 4096;
 template <int BITS, bool LOWS>
 inline void prefetch_group_ahead(const uint8_t* codes, const at::Half* scales) {
-  constexpr int64_t group_bytes = GROUP * TILE * BITS / 8, scale_bytes = (LOWS ? 2 : 1) * TILE * sizeof(at::Half);
+  constexpr int64_t group_bytes = GROUP * TILE * BITS / 8;
+  constexpr int64_t scale_bytes = (LOWS ? 2 : 1) * TILE * sizeof(at::Half);
   for (int64_t line = 0; line < group_bytes; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(codes) + PREFETCH_BYTES + line, _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(scales) + PREFETCH_BYTES / group_bytes * scale_bytes, _MM_HINT_T0);
@@ -122,8 +123,8 @@ void rope_write_kv(const T* qkv, const T* cos_sin, T* q, T* cache, const int64_t
 template <typename T>
 void act_and_mul(bool gelu, const T* x, T* out, int64_t rows, int64_t width);
 template <typename T>
-void quant_matmul(const T* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales, int64_t bits, bool lows,
-                  int64_t n, const QuantScratch& scratch, T* out);
+void quant_matmul(const T* x, int64_t rows, int64_t k, const uint8_t* codes, const at::Half* scales, int64_t bits,
+                  bool lows, int64_t n, const QuantScratch& scratch, T* out);
 // x [rows, k] @ weight [n, k].T -> out [rows, n], float32 throughout
 void dense_matmul(const float* x, int64_t rows, int64_t k, const float* weight, int64_t n, float* out);
 // paged_decode_attention into out [S, H * D], with the split's scratch

@@ -135,7 +135,8 @@ bool quant_matmul_supported() {
 
 bool quant_scales_have_lows(int64_t scale_count, int64_t k, int64_t n, int64_t bits) {
   const int64_t one_per_group_and_column = n / quant_isa::TILE * (k / quant_isa::GROUP) * quant_isa::TILE;
-  TORCH_CHECK(scale_count == 2 * one_per_group_and_column || (bits == 8 && scale_count == one_per_group_and_column),
+  TORCH_CHECK(scale_count == 2 * one_per_group_and_column ||
+                  (bits == 8 && scale_count == one_per_group_and_column),
               "quant_matmul: scales do not match codes (a scale and a low per group and column, or for 8 bits a "
               "scale alone)");
   return scale_count == 2 * one_per_group_and_column;

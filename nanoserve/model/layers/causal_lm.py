@@ -203,10 +203,10 @@ class CausalLM(nn.Module):
         """Add quantized copies of the matmul weights (see nanoserve.model.quant): the decoder layers'
         (experts' included) in 4 or 8 bits; the lm_head's, the largest single weight of a small model, in
         symmetric 8 bits (Q8_0's scale: the file's own codes where it shipped Q8_0), and only with the C++
-        kernel (4 bits there raised perplexity by 8%). codes: a GGUF file's
-        own codes by parameter name, packed as they are; with method auto only those weights are quantized
-        (and the lm_head only where the file quantized it). matmul_choice: how each weight's largest
-        quantized step is set (nanoserve.model.matmul_choice)."""
+        kernel (4 bits there raised perplexity by 8%). codes: a GGUF file's own codes by parameter name,
+        packed as they are; with method auto only those weights are quantized (and the lm_head only where
+        the file quantized it). matmul_choice: how each weight's largest quantized step is set
+        (nanoserve.model.matmul_choice)."""
         bits = {"int4": 4, "int8": 8, "auto": None}[method]
         codes = codes or {}
         for name, module in self.layers.named_modules():
