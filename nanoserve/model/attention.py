@@ -8,8 +8,8 @@ Requests are split into at most two groups per step, each one attention call per
 - decode (query length 1): batched matmuls with the query heads that share a KV head stacked as rows,
   so K/V are never repeated for GQA;
 - prefill (longer queries, chunked or not): with the C++ kernels, a causal flash-style kernel that reads
-  K/V in place and skips the keys after each query, or torch's causal flash attention for whole prompts
-  where the engine measured it faster (nanoserve.model.flash_prefill); otherwise queries padded to
+  K/V in place and skips the keys after each query, or torch's causal flash attention for prompts
+  attended whole where the engine measured it faster (nanoserve.model.flash_prefill); otherwise queries padded to
   [num_seqs, max_query_len] and one `scaled_dot_product_attention` call with a causal mask.
 Splitting keeps a long prefill from padding every decode in the batch to its length. A short query
 (a decode with its speculative drafts, up to `max_decode_query_len` tokens) joins the decode group as
@@ -65,7 +65,7 @@ class AttentionGroup:
     """int64 [num_seqs] each request's real queries, for the prefill kernel."""
     device: torch.device
     split: PrefillSplit | None = None
-    """Set where some sequence is a whole prompt long enough for torch's flash attention to beat the
+    """Set where some sequence is a prompt long enough for torch's flash attention to beat the
     prefill kernel (nanoserve.model.flash_prefill); the others go to the kernel."""
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -125,7 +125,8 @@ def build_attention_metadata(
     flash_min_query_len: int | None = None,
 ) -> AttentionMetadata:
     """max_decode_query_len: queries up to this long are attended as decode rows, one per token;
-    flash_min_query_len: prefills of whole prompts at least this long go to torch's flash attention."""
+    flash_min_query_len: prefills whose context is at least this long, with no more cached tokens than new
+    ones, go to torch's flash attention."""
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     # blocks freed behind a sliding window are masked out; any valid id will do for the gather
@@ -259,12 +260,15 @@ def _build_group(
 def _prefill_split(q_lens, s_lens, starts, blocks, block_size, min_len) -> PrefillSplit | None:
     if min_len is None:
         return None
-    flash = (q_lens == s_lens) & (q_lens >= min_len)  # a prefill group's queries are 2 or more
+    cached = s_lens - q_lens
+    flash = (cached <= q_lens) & (s_lens >= min_len)  # a prefill group's queries are 2 or more
     if not flash.any():
         return None
     prompts = [
-        WholePrompt(int(start), int(n), torch.from_numpy(row[: -(-int(n) // block_size)].copy()))
-        for start, n, row in zip(starts[flash], q_lens[flash], blocks[flash], strict=True)
+        WholePrompt(int(start), int(n), torch.from_numpy(row[: -(-int(s) // block_size)].copy()), int(c))
+        for start, n, s, c, row in zip(
+            starts[flash], q_lens[flash], s_lens[flash], cached[flash], blocks[flash], strict=True
+        )
     ]
     rest = None
     if not flash.all():

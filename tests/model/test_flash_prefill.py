@@ -1,4 +1,4 @@
-"""Whole prompts through torch's flash attention: which prefills go there, and that they match the C++ kernel."""
+"""Prompts through torch's flash attention: which prefills go there, and that they match the C++ kernel."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from nanoserve.model.attention import build_attention_metadata
 from nanoserve.model.flash_prefill import (
     QUERY_LENS,
+    WholePrompt,
     attend_split,
     attend_whole_prompts,
     choose_min_query_len,
@@ -29,12 +30,21 @@ def test_each_whole_prompt_long_enough_goes_to_flash_attention_on_its_own():
 
     (whole,) = groups([6, 9], [6, 9], 4)
     assert whole.split is not None and whole.split.flash == [True, True] and whole.split.rest is None
-    prompts = [(p.start, p.length, p.blocks.tolist()) for p in whole.split.prompts]
-    assert prompts == [(0, 6, [3, 1]), (6, 9, [2, 5, 4])]
+    prompts = [(p.start, p.length, p.blocks.tolist(), p.cached) for p in whole.split.prompts]
+    assert prompts == [(0, 6, [3, 1], 0), (6, 9, [2, 5, 4], 0)]
     assert groups([6, 9], [6, 9], None)[0].split is None  # not measured faster
     assert groups([3, 2], [3, 2], 4)[0].split is None  # too short
-    # a prompt too short, or a chunk after a cached prefix, goes to the kernel beside the whole prompt
-    for query_lens, seq_lens, own_blocks in (([3, 9], [3, 9], [3, 3, 3]), ([5, 9], [7, 9], [3, 1, 3])):
+    # new tokens after no more cached ones are attended as the whole prompt
+    (hit,) = groups([5, 9], [7, 9], 4)
+    assert hit.split is not None and hit.split.flash == [True, True] and hit.split.rest is None
+    assert [(p.start, p.length, p.blocks.tolist(), p.cached) for p in hit.split.prompts][0] == (
+        0,
+        5,
+        [3, 1],
+        2,
+    )
+    # a prompt too short, or a chunk after a longer cached prefix, goes to the kernel beside the whole prompt
+    for query_lens, seq_lens, own_blocks in (([3, 9], [3, 9], [3, 3, 3]), ([4, 9], [9, 9], [3, 1, 0])):
         (group,) = groups(query_lens, seq_lens, 4)
         assert group.split is not None and group.split.flash == [False, True]
         assert group.split.rest is not None
@@ -71,6 +81,36 @@ def test_flash_attention_matches_the_prefill_kernel(kernels, dtype):
     torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
     prompt_alone = attend_whole_prompts(q, kv_cache, group.split.prompts, 0.125)[0]
     assert torch.equal(out[5:18], prompt_alone)  # the same bits as alone: its batch-mates do not matter
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cached", [1, 16, 40])
+def test_a_prompt_after_a_cached_prefix_gets_the_whole_prompts_bits(kernels, dtype, cached):
+    """New tokens after cached ones come out as the whole prompt's last rows, bit for bit (a prefix-cache
+    hit gives the tokens of a miss), and match the kernel."""
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size, length = 6, 2, 64, 16, 80
+    blocks = torch.tensor([4, 0, 2, 5, 1])
+    q = torch.randn(length, num_heads, head_dim).to(dtype)
+    kv_cache = torch.randn(2, num_kv_heads, 6, block_size, head_dim).to(dtype)
+    (whole,) = attend_whole_prompts(q, kv_cache, [WholePrompt(0, length, blocks)], 0.125)
+    new = length - cached
+    (after_hit,) = attend_whole_prompts(q[cached:], kv_cache, [WholePrompt(0, new, blocks, cached)], 0.125)
+    assert torch.equal(after_hit, whole[cached:])
+    table = blocks.to(torch.int32).view(1, -1)
+    expected = kernels.paged_prefill_attention(
+        q[cached:].contiguous(),
+        kv_cache,
+        table,
+        torch.tensor([0]),
+        torch.tensor([new]),
+        torch.tensor([length]),
+        0.125,
+        0,
+        0.0,
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(after_hit, expected, atol=tolerance, rtol=tolerance)
 
 
 def test_the_choice_is_measured_once_per_cpu_and_shape(kernels, monkeypatch, tmp_path):

@@ -165,16 +165,17 @@ def test_rope_scaling_matches_transformers(rope):
 
 
 def test_whole_prompts_through_flash_attention(models, kernels):
-    """Prefills of whole prompts through torch's flash attention (as where the engine measured it faster);
-    a later chunk of a prompt and the decodes stay on their own paths."""
+    """Prefills of whole prompts through torch's flash attention (as where the engine measured it faster),
+    and a chunk after no more cached tokens than its own; a chunk after a longer prefix and the decodes stay
+    on their own paths."""
     ours, ref = models
     lengths = [5, 11, 8]
-    driver = PagedDriver(ours, _prompts(lengths + [14], seed=4), kernels=kernels, flash_min_query_len=2)
+    driver = PagedDriver(ours, _prompts(lengths + [14, 16], seed=4), kernels=kernels, flash_min_query_len=2)
     driver.step({0: 5, 1: 11, 2: 8})
-    driver.step({3: 6})
-    driver.step({3: 8, 0: 1, 1: 1, 2: 1})
+    driver.step({3: 6, 4: 10})
+    driver.step({3: 8, 4: 6, 0: 1, 1: 1, 2: 1})
     for _ in range(2):
-        driver.step({i: 1 for i in range(4)})
+        driver.step({i: 1 for i in range(5)})
     driver.check_against(ref)
 
 
