@@ -7,7 +7,9 @@ ignored): nanoserve (multiprocess `LLM`, dtype auto: bf16 where the CPU has nati
 bf16 matmuls run slower than float32 there), vLLM (offline `vllm.LLM`, bf16, on an HF folder written once
 from the GGUF, since vLLM cannot read GGUF) and llama.cpp
 (the Q4_1 GGUF as is, batch 1 only: its Python API has no batched generate). Time to first token is
-measured on distinct 512-token prompts, so no prefix cache can serve them.
+measured first, on distinct 512-token prompts: the throughput prompts are windows of the same passage, and
+once they are in the prefix cache, a TTFT prompt that starts where one of them does finds its first
+blocks there.
 
 Each system runs in its own subprocess, one after another, so they never compete for the two cores and
 an import error or crash in one peer becomes an error in its table row. Numbers are min/median/max
@@ -179,6 +181,9 @@ def worker(system: str, spec_file: str, result_file: str) -> None:
 
     try:
         throughput, ttft, max_batch = RUNNERS[system](spec)
+        ttft(spec["ttft_prompts"][0])  # warm-up
+        result["ttft_s"] = [ttft(p) for p in spec["ttft_prompts"][1:]]
+        save()
         for batch, prompts in spec["prompts"].items():
             if max_batch is not None and int(batch) > max_batch:
                 continue
@@ -187,8 +192,6 @@ def worker(system: str, spec_file: str, result_file: str) -> None:
                 runs = [throughput(prompts, spec["new_tokens"], bool(suffix)) for _ in range(spec["repeats"])]
                 result[key][batch] = runs
                 save()
-        ttft(spec["ttft_prompts"][0])  # warm-up
-        result["ttft_s"] = [ttft(p) for p in spec["ttft_prompts"][1:]]
     except BaseException as e:
         result["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
         raise

@@ -3,6 +3,8 @@ in .venv-peers only): nanoserve's rows (greedy, sampled) are measured, the peer'
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from nanoserve.bench import peers
@@ -62,3 +64,28 @@ def test_merge_results_keeps_the_first_error():
         "ttft_s": [0.1],
         "error": "boom",
     }
+
+
+def test_time_to_first_token_is_measured_before_the_throughput_runs(tmp_path, monkeypatch):
+    """The throughput prompts are windows of one passage: once they are cached, a TTFT prompt that starts
+    where one of them does would find its first blocks in the prefix cache."""
+    calls = []
+
+    def runner(spec):
+        def throughput(prompts, new_tokens, sampled):
+            calls.append("throughput")
+            return 1.0
+
+        def ttft(prompt):
+            calls.append("ttft")
+            return 0.1
+
+        return throughput, ttft, None
+
+    monkeypatch.setitem(peers.RUNNERS, "nanoserve", runner)
+    spec = {"prompts": {"1": [[5, 6]]}, "new_tokens": 2, "repeats": 1, "ttft_prompts": [[7], [8], [9]]}
+    spec_file, result_file = tmp_path / "spec.json", tmp_path / "result.json"
+    spec_file.write_text(json.dumps(spec))
+    peers.worker("nanoserve", str(spec_file), str(result_file))
+    assert calls == ["ttft"] * 3 + ["throughput"] * 3  # warm-ups first, then greedy and sampled
+    assert json.loads(result_file.read_text())["ttft_s"] == [0.1, 0.1]
