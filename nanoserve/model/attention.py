@@ -9,8 +9,8 @@ Requests are split into at most two groups per step, each one attention call per
   so K/V are never repeated for GQA;
 - prefill (longer queries, chunked or not): with the C++ kernels, a causal flash-style kernel that reads
   K/V in place and skips the keys after each query, or torch's causal flash attention for prompts
-  attended whole where the engine measured it faster (nanoserve.model.flash_prefill); otherwise queries padded to
-  [num_seqs, max_query_len] and one `scaled_dot_product_attention` call with a causal mask.
+  attended whole where the engine measured it faster (nanoserve.model.flash_prefill); otherwise queries
+  padded to [num_seqs, max_query_len] and one `scaled_dot_product_attention` call with a causal mask.
 Splitting keeps a long prefill from padding every decode in the batch to its length. A short query
 (a decode with its speculative drafts, up to `max_decode_query_len` tokens) joins the decode group as
 one row per token, each a sequence that ends at its own position: that is the causal mask, and it keeps
