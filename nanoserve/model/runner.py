@@ -28,6 +28,7 @@ from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.layers.causal_lm import CausalLM
 from nanoserve.model.loader import load_model, load_model_config, resolve_dtype
 from nanoserve.model.sampler import Sampler
+from nanoserve.model.step_choice import choose_quantized_steps
 from nanoserve.model_files import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,8 @@ class ModelRunner:
         )
         if self.kernels is not None:
             model.use_cpu_kernels(self.kernels, fused_decode=options.cpu_kernels == "auto")
+            if options.matmul_choice == "auto":
+                choose_quantized_steps(model, self.kernels, self.dtype, options.block_size)
         return model
 
     def _loaded(self) -> CausalLM:

@@ -230,10 +230,14 @@ class CausalLM(nn.Module):
 
     def quantized_weights(self) -> list[QuantizedWeight]:
         """Every quantized copy: the decoder layers' matmuls, then the lm_head's."""
-        weights = [
+        head = [self.quantized_lm_head] if self.quantized_lm_head is not None else []
+        return self.decoder_quantized_weights() + head
+
+    def decoder_quantized_weights(self) -> list[QuantizedWeight]:
+        """The quantized copies of the decoder layers' matmuls."""
+        return [
             m.quantized for m in self.layers.modules() if isinstance(m, Linear) and m.quantized is not None
         ]
-        return weights + ([self.quantized_lm_head] if self.quantized_lm_head is not None else [])
 
     def _weight_shapes(self) -> list[WeightShape]:
         """The quantized weights grouped by shape, each beside its unquantized matmul (bias left out)."""

@@ -1,0 +1,86 @@
+"""Whole decode steps all quantized (nanoserve.model.step_choice): the size it raises the limits to, that
+it measures once per machine and shape, and that measuring leaves the model as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families import build_family
+
+from nanoserve.model import step_choice
+from nanoserve.model.kernels import cpu_kernels
+from nanoserve.model.quant import fast_kernels, quantization_error
+from tests.core.engine_steps import tiny_engine
+
+
+@pytest.mark.parametrize(
+    ("times", "expected"),
+    [
+        ({32: (2.0, 1.0), 64: (2.0, 3.0)}, 32),
+        ({32: (2.0, 1.0), 64: (3.0, 2.0)}, 64),
+        ({32: (1.0, 2.0), 64: (3.0, 1.0)}, 0),  # a win at 64 alone does not count
+        ({64: (3.0, 1.0)}, 64),
+        ({}, 0),
+    ],
+)
+def test_the_largest_size_won_at_every_smaller_one(times, expected):
+    assert step_choice.largest_winning_size(times) == expected
+
+
+@pytest.fixture
+def bf16_int4_model(tmp_path):
+    """A tiny Llama-shaped bf16 model in int4 on the fused decoder, its weights' limits set to 16 rows."""
+    kernels = cpu_kernels()
+    if kernels is None or not fast_kernels(kernels):
+        pytest.skip(quantization_error("int4", torch.device("cpu"), kernels) or "no C++ kernels")
+    folder = build_family("qwen3-gqa-tied", tmp_path / "hf")
+    engine = tiny_engine(folder, dtype="bfloat16", quantization="int4", matmul_choice="fixed")
+    model = engine.runner.model
+    assert model is not None and model.fused_decoder is not None
+    for weight in model.decoder_quantized_weights():
+        weight.max_tokens = 16
+    model.use_cpu_kernels(kernels)
+    return model, kernels, engine.runner.options.block_size
+
+
+def test_measuring_leaves_the_model_as_it_was(bf16_int4_model):
+    model, kernels, block_size = bf16_int4_model
+    decoder = model.fused_decoder
+    times = step_choice.measure_steps(model, kernels, torch.bfloat16, block_size, [32, 64])
+    assert sorted(times) == [32, 64] and all(0 < t < 10 for pair in times.values() for t in pair)
+    assert model.fused_decoder is decoder and not decoder.one_region_at(32)
+    assert {w.max_tokens for w in model.decoder_quantized_weights()} == {16}
+
+
+def test_the_limits_rise_to_the_size_won_measured_once(bf16_int4_model, monkeypatch, tmp_path):
+    model, kernels, block_size = bf16_int4_model
+    monkeypatch.setattr(step_choice, "cache_file", lambda: tmp_path / "choice.json")
+    measured = []
+
+    def measure(model, kernels, dtype, block_size, sizes):
+        measured.append(sizes)
+        return {32: (2.0, 1.0), 64: (2.0, 3.0)}
+
+    monkeypatch.setattr(step_choice, "measure_steps", measure)
+    assert step_choice.choose_quantized_steps(model, kernels, torch.bfloat16, block_size) == 32
+    assert measured == [[32, 64]]
+    assert {w.max_tokens for w in model.decoder_quantized_weights()} == {32}
+    assert model.fused_decoder.one_region_at(32) and not model.fused_decoder.one_region_at(33)
+    assert model.quantized_lm_head is None or model.quantized_lm_head.max_tokens != 32
+
+    for weight in model.decoder_quantized_weights():  # a second engine of the same shape
+        weight.max_tokens = 16
+    assert step_choice.choose_quantized_steps(model, kernels, torch.bfloat16, block_size) == 32
+    assert measured == [[32, 64]]  # read from the cache
+
+
+def test_nothing_to_measure_where_every_step_is_quantized(bf16_int4_model, monkeypatch):
+    model, kernels, block_size = bf16_int4_model
+    for weight in model.decoder_quantized_weights():
+        weight.max_tokens = 64
+
+    def measure(*args):
+        raise AssertionError("nothing to measure")
+
+    monkeypatch.setattr(step_choice, "measure_steps", measure)
+    assert step_choice.choose_quantized_steps(model, kernels, torch.bfloat16, block_size) == 0
