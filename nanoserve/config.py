@@ -63,9 +63,10 @@ class EngineOptions:
     """With quantization: auto measures, once per CPU and weight shape (cached beside the kernel builds),
     the step sizes up to which each quantized matmul beats the unquantized one and uses it there; fixed:
     the quantized kernel at every step size (quant_matmul; torch's int4 kernel up to 16 tokens) and the
-    8-bit lm_head up to 4 rows. See nanoserve.model.matmul_choice. With or without quantization, auto
-    also measures which blocked layout oneDNN's bf16 weights are packed in (nanoserve.model.pack_choice);
-    fixed keeps the layout for batch 1."""
+    8-bit lm_head up to 4 rows. See nanoserve.model.matmul_choice; auto then also times whole decode
+    steps all quantized, which can raise those limits (nanoserve.model.step_choice). With or without
+    quantization, auto also measures which blocked layout oneDNN's bf16 weights are packed in
+    (nanoserve.model.pack_choice); fixed keeps the layout for batch 1."""
     speculative: str = "none"
     """ngram: speculative decoding by prompt lookup (nanoserve.core.speculator): up to
     `num_speculative_tokens` tokens that followed the latest earlier occurrence of the sequence's last

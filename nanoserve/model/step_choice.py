@@ -1,17 +1,17 @@
 """Up to which decode step size every matmul stays quantized, measured on whole fused decode steps.
 
 nanoserve.model.matmul_choice sets each quantized weight's step-size limit from that weight alone: its
-kernel against the unquantized matmul over the weights of its shape. But a decode step whose every
-matmul is quantized also runs as one OpenMP region of the fused decoder (kernels/fused_decoder.cpp),
-and the region saves what a step of separate kernels pays for each of its ~330 calls: waking the other
-thread, and on a CPU with AMX, going from oneDNN's tiles back to the vector kernels (an rms_norm of 64
-rows took 12 µs alone and 21 µs right after a oneDNN matmul). On a two-core AMX Xeon the weights alone
-chose oneDNN's bf16 above 16 rows, while a whole step of 32 rows ran 1.16-1.19x faster with every
-weight quantized (and 0.87x at 64). So with matmul_choice "auto", the engine times whole decode steps
-at each of STEP_SIZES above the weights' smallest limit, on a scratch KV cache, as the weights chose
-and with every limit raised to that size, and raises the limits to the largest size at which the
-all-quantized step won, as it did at every smaller one. The answer is cached beside the matmul choice,
-keyed by the kernel build, the thread count, the dtype and the layers' shapes and limits.
+kernel against the unquantized matmul over the weights of its shape. But a decode step whose every matmul
+is quantized also runs as one OpenMP region of the fused decoder (kernels/fused_decoder.cpp), and the
+region saves what a step of separate kernels pays for each of its ~330 calls: waking the other thread,
+and on a CPU with AMX, going from oneDNN's tiles back to the vector kernels (add_rms_norm on 64 rows took
+12 µs alone and 21 µs right after a oneDNN matmul). On a two-core AMX Xeon the weights alone chose
+oneDNN's bf16 above 16 rows, while a whole step of 32 rows ran 1.16-1.19x faster with every weight
+quantized (and took 1.1-1.25x the time at 64). So with matmul_choice "auto", the engine times whole
+decode steps at each of STEP_SIZES above the weights' smallest limit, on a scratch KV cache, as the
+weights chose and with every limit raised to that size, and raises the limits to the largest size at
+which the all-quantized step won, as it did at every smaller one. The answer is cached beside the matmul
+choice, keyed by the kernel build, the thread count, the dtype and the layers' shapes and limits.
 """
 
 from __future__ import annotations
