@@ -181,8 +181,11 @@ def worker(system: str, spec_file: str, result_file: str) -> None:
 
     try:
         throughput, ttft, max_batch = RUNNERS[system](spec)
-        ttft(spec["ttft_prompts"][0])  # warm-up
-        result["ttft_s"] = [ttft(p) for p in spec["ttft_prompts"][1:]]
+        try:
+            ttft(spec["ttft_prompts"][0])  # warm-up
+            result["ttft_s"] = [ttft(p) for p in spec["ttft_prompts"][1:]]
+        except Exception as e:  # the row says why, and the throughput runs still go ahead
+            result["error"] = f"TTFT: {type(e).__name__}: {e}".splitlines()[0][:200]
         save()
         for batch, prompts in spec["prompts"].items():
             if max_batch is not None and int(batch) > max_batch:

@@ -261,7 +261,7 @@ def _prefill_split(q_lens, s_lens, starts, blocks, block_size, min_len) -> Prefi
     if min_len is None:
         return None
     cached = s_lens - q_lens
-    flash = (cached <= q_lens) & (s_lens >= min_len)  # a prefill group's queries are 2 or more
+    flash = (cached <= q_lens) & (s_lens >= min_len)
     if not flash.any():
         return None
     prompts = [

@@ -76,7 +76,8 @@ class ModelRunner:
         )
         self.sampler = Sampler(options.seed, self.kernels)
         self.flash_min_query_len = None
-        """Whole prompts at least this long attend through torch's flash attention (see flash_prefill)."""
+        """Prompts whose context is at least this long attend through torch's flash attention (see
+        flash_prefill)."""
         if self.kernels is not None:
             c = self.config
             self.flash_min_query_len = choose_min_query_len(
@@ -99,9 +100,12 @@ class ModelRunner:
             options.matmul_choice,
         )
         if self.kernels is not None:
-            model.use_cpu_kernels(self.kernels, fused_decode=options.cpu_kernels == "auto")
             if options.matmul_choice == "auto":
+                # timed on the fused decoder, whichever path the engine runs: the limits (and so the
+                # tokens) must not depend on cpu_kernels
+                model.use_cpu_kernels(self.kernels)
                 choose_quantized_steps(model, self.kernels, self.dtype, options.block_size)
+            model.use_cpu_kernels(self.kernels, fused_decode=options.cpu_kernels == "auto")
         return model
 
     def _loaded(self) -> CausalLM:

@@ -1,4 +1,4 @@
-"""Up to which decode step size every matmul stays quantized, measured on whole fused decode steps.
+"""Up to which step size every matmul stays quantized, measured on whole fused decode steps.
 
 nanoserve.model.matmul_choice sets each quantized weight's step-size limit from that weight alone: its
 kernel against the unquantized matmul over the weights of its shape. But a decode step whose every matmul
@@ -10,12 +10,17 @@ oneDNN's bf16 above 16 rows, while a whole step of 32 rows ran 1.16-1.19x faster
 quantized (and took 1.1-1.25x the time at 64). So with matmul_choice "auto", the engine times whole
 decode steps at each of STEP_SIZES above the weights' smallest limit, on a scratch KV cache, as the
 weights chose and with every limit raised to that size, and raises the limits to the largest size at
-which the all-quantized step won, as it did at every smaller one. The answer is cached beside the matmul
-choice, keyed by the kernel build, the thread count, the dtype and the layers' shapes and limits.
+which the all-quantized step won, as it did at every smaller one. The limits hold for every step, so
+prefills and mixed steps of those sizes run quantized too (kernel after kernel, and there the weights
+alone preferred bf16): the two paths must give a step of a given size the same bits. A size the raised
+step cannot run in one region (a weight on torch's int4 kernel) is not measured. The answer is cached
+beside the matmul choice, keyed by the kernel build, the thread count, the dtype, the attention shape and
+every decoder weight's kind, size and limit.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from types import ModuleType
@@ -33,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 STEP_SIZES = (32, 64)
 PASSES = 5
+METHOD = "whole-step"
+"""Part of the cache key: answers measured another way are measured again."""
 CONTEXT = 16
 """Each scratch sequence's length: short, so that the scratch cache stays small for large models."""
 
@@ -71,6 +78,8 @@ def measure_steps(
         with torch.inference_mode():
             for size in sizes:
                 raised = _fused_decoder_with_limits(model, kernels, [max(limit, size) for limit in limits])
+                if not raised.one_region_at(size):
+                    break  # no region to gain (a weight on torch's int4 kernel, say): only noise to time
                 caches = allocate_kv_cache(
                     config.num_layers,
                     size * blocks_per_seq,
@@ -100,15 +109,14 @@ def measure_steps(
 
 
 def step_key(model: CausalLM, weights: list[QuantizedWeight], dtype: torch.dtype) -> str:
-    """The cache key: kernel build and CPU, threads, dtype, and one layer's quantized weights (kind, size,
-    limit as the weights chose)."""
-    layer = weights[: len(weights) // model.config.num_layers]
-    shapes = ",".join(f"{type(w).__name__}/{w.nbytes}/{w.max_tokens}" for w in layer)
-    threads = torch.get_num_threads()
-    return (
-        f"{library_name(cpu_identity())} whole-step {threads} threads {dtype} "
-        f"{model.config.num_layers}x[{shapes}] hidden {model.config.hidden_size}"
+    """The cache key: kernel build and CPU, method, threads, dtype, and a digest of the attention shape and
+    every decoder weight's kind, size and limit as the weights chose."""
+    c = model.config
+    shape = f"{c.num_layers} {c.hidden_size} {c.num_heads}x{c.num_kv_heads}x{c.head_dim} " + ";".join(
+        f"{type(w).__name__}/{w.nbytes}/{w.max_tokens}" for w in weights
     )
+    digest = hashlib.sha256(shape.encode()).hexdigest()[:16]
+    return f"{library_name(cpu_identity())} {METHOD} {torch.get_num_threads()} threads {dtype} {digest}"
 
 
 def choose_quantized_steps(model: CausalLM, kernels: ModuleType, dtype: torch.dtype, block_size: int) -> int:

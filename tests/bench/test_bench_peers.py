@@ -89,3 +89,20 @@ def test_time_to_first_token_is_measured_before_the_throughput_runs(tmp_path, mo
     peers.worker("nanoserve", str(spec_file), str(result_file))
     assert calls == ["ttft"] * 3 + ["throughput"] * 3  # warm-ups first, then greedy and sampled
     assert json.loads(result_file.read_text())["ttft_s"] == [0.1, 0.1]
+
+
+def test_a_failed_ttft_leaves_the_throughput_runs_measured(tmp_path, monkeypatch):
+    def runner(spec):
+        def ttft(prompt):
+            raise ValueError("prompt longer than the context")
+
+        return (lambda prompts, new_tokens, sampled: 2.0), ttft, None
+
+    monkeypatch.setitem(peers.RUNNERS, "nanoserve", runner)
+    spec = {"prompts": {"1": [[5, 6]]}, "new_tokens": 2, "repeats": 1, "ttft_prompts": [[7], [8]]}
+    spec_file, result_file = tmp_path / "spec.json", tmp_path / "result.json"
+    spec_file.write_text(json.dumps(spec))
+    peers.worker("nanoserve", str(spec_file), str(result_file))
+    result = json.loads(result_file.read_text())
+    assert result["tok_s"] == {"1": [2.0]} and result["sampled_tok_s"] == {"1": [2.0]}
+    assert result["ttft_s"] == [] and result["error"].startswith("TTFT: ValueError: prompt longer")

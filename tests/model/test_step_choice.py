@@ -27,12 +27,17 @@ def test_the_largest_size_won_at_every_smaller_one(times, expected):
     assert step_choice.largest_winning_size(times) == expected
 
 
-@pytest.fixture
-def bf16_int4_model(tmp_path):
-    """A tiny Llama-shaped bf16 model in int4 on the fused decoder, its weights' limits set to 16 rows."""
+def cpu_kernels_or_skip():
     kernels = cpu_kernels()
     if kernels is None or not fast_kernels(kernels):
         pytest.skip(quantization_error("int4", torch.device("cpu"), kernels) or "no C++ kernels")
+    return kernels
+
+
+@pytest.fixture
+def bf16_int4_model(tmp_path):
+    """A tiny Llama-shaped bf16 model in int4 on the fused decoder, its weights' limits set to 16 rows."""
+    kernels = cpu_kernels_or_skip()
     folder = build_family("qwen3-gqa-tied", tmp_path / "hf")
     engine = tiny_engine(folder, dtype="bfloat16", quantization="int4", matmul_choice="fixed")
     model = engine.runner.model
@@ -72,6 +77,42 @@ def test_the_limits_rise_to_the_size_won_measured_once(bf16_int4_model, monkeypa
         weight.max_tokens = 16
     assert step_choice.choose_quantized_steps(model, kernels, torch.bfloat16, block_size) == 32
     assert measured == [[32, 64]]  # read from the cache
+
+
+def test_the_key_tells_models_apart_by_every_weights_limit(bf16_int4_model):
+    model, _, _ = bf16_int4_model
+    weights = model.decoder_quantized_weights()
+    before = step_choice.step_key(model, weights, torch.bfloat16)
+    weights[-1].max_tokens = 32  # the last layer's down_proj alone
+    assert step_choice.step_key(model, weights, torch.bfloat16) != before
+    assert step_choice.step_key(model, weights, torch.float32) != step_choice.step_key(
+        model, weights, torch.bfloat16
+    )
+
+
+@pytest.mark.parametrize("cpu_kernels", ["auto", "unfused"])
+def test_the_limits_do_not_depend_on_the_fused_path(cpu_kernels, monkeypatch, tmp_path):
+    """An engine on the fused decode step and one without it run the same matmul at each step size, so
+    both get the same tokens: the whole-step choice is made on the fused decoder either way."""
+    from nanoserve.model.layers import causal_lm
+
+    kernels = cpu_kernels_or_skip()
+
+    def limits_of_16(shapes):
+        for shape in shapes:
+            for weight in shape.quantized:
+                weight.max_tokens = 16
+        return {}
+
+    monkeypatch.setattr(causal_lm, "choose_max_tokens", limits_of_16)
+    monkeypatch.setattr(step_choice, "cache_file", lambda: tmp_path / "choice.json")
+    monkeypatch.setattr(step_choice, "measure_steps", lambda *args: {32: (2.0, 1.0), 64: (2.0, 3.0)})
+    folder = build_family("qwen3-gqa-tied", tmp_path / "hf")
+    engine = tiny_engine(folder, dtype="bfloat16", quantization="int4", cpu_kernels=cpu_kernels)
+    model = engine.runner.model
+    assert model is not None and kernels is not None
+    assert {w.max_tokens for w in model.decoder_quantized_weights()} == {32}
+    assert (model.fused_decoder is not None) == (cpu_kernels == "auto")
 
 
 def test_nothing_to_measure_where_every_step_is_quantized(bf16_int4_model, monkeypatch):

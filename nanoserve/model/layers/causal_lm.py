@@ -188,6 +188,7 @@ class CausalLM(nn.Module):
         layers = fusable_layers(
             list(self.layers), self.local_rotary is not None, self.config.embed_scale is not None
         )
+        self.fused_decoder = None
         if fused_decode and layers is not None:
             embedding = self.embed_tokens.weight.contiguous()  # itself, unless a loader left a view
             table = self.rotary.table_for(embedding.dtype, embedding.device)
