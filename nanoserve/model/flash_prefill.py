@@ -15,9 +15,9 @@ differently, and engines started with the same options on one machine must give 
 A prompt whose first tokens were already cached (a prefix-cache hit, or the chunk after a first one) is
 attended as the whole prompt too, when the cached tokens are no more than the new ones: the cached rows
 get zero queries and their outputs are dropped. Each row attends only to its own keys, so the new rows
-come out as the whole prompt's would over the same cached K/V, bit for bit; it costs
-the cached rows' work, which is why a long prefix before a short chunk stays on the kernel (512 tokens
-after 32 cached: 1.0 ms against the kernel's 2.6; 64 after 2048: 8.9 against 2.4, Xeon with AMX).
+come out as the whole prompt's would over the same cached K/V, bit for bit; it costs the cached rows'
+work, which is why a long prefix before a short chunk stays on the kernel (512 tokens after 32 cached:
+1.0 ms against the kernel's 2.6; 64 after 2048: 8.9 against 2.4, Xeon with AMX).
 """
 
 from __future__ import annotations

@@ -56,10 +56,14 @@ def largest_winning_size(times: dict[int, tuple[float, float]]) -> int:
     return largest
 
 
-def _fused_decoder_with_limits(model: CausalLM, kernels: ModuleType, limits: list[int]) -> Any:
-    """Set the decoder's quantized weights' step-size limits and build the fused decoder over them."""
+def _set_limits(model: CausalLM, limits: list[int]) -> None:
     for weight, limit in zip(model.decoder_quantized_weights(), limits, strict=True):
         weight.max_tokens = limit
+
+
+def _fused_decoder_with_limits(model: CausalLM, kernels: ModuleType, limits: list[int]) -> Any:
+    """Set the decoder's quantized weights' step-size limits and build the fused decoder over them."""
+    _set_limits(model, limits)
     model.use_cpu_kernels(kernels)
     return model.fused_decoder
 
@@ -102,8 +106,7 @@ def measure_steps(
                     passes.append((timed[0], timed[1]))
                 times[size] = (min(c for c, _ in passes[1:]), min(q for _, q in passes[1:]))
     finally:
-        for weight, limit in zip(model.decoder_quantized_weights(), limits, strict=True):
-            weight.max_tokens = limit
+        _set_limits(model, limits)
         model.fused_decoder = chosen
     return times
 
