@@ -193,3 +193,32 @@ def test_prefill_attention_matches_reference(kernels, two_threads, case, head_di
     # bfloat16 outputs are rounded to 8 bits of mantissa: the values here reach 8
     tolerance = dict(atol=1e-4, rtol=0) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(out.float(), reference, **tolerance)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 300])
+def test_prefill_attention_over_long_contexts(kernels, two_threads, head_dim, dtype, window):
+    """Contexts longer than a block of keys (256 on the AMX tiles): the running softmax carries across
+    blocks, an odd number of key chunks ends a block, and under a long window a row can see none of a
+    block's keys."""
+    torch.manual_seed(window + head_dim)
+    shapes = [(290, 600), (1, 530), (40, 300), (3, 3)]
+    query_lens = [query_len for query_len, _ in shapes]
+    seq_lens = [context for _, context in shapes]
+    block_size, num_heads, num_kv_heads = 16, 6, 2
+    blocks_per_seq = math.ceil(max(seq_lens) / block_size)
+    num_blocks = blocks_per_seq * len(shapes)
+    kv_cache = (torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim) * 2).to(dtype)
+    q = torch.randn(sum(query_lens), num_heads, head_dim).to(dtype)
+    block_table = torch.randperm(num_blocks).int().view(len(shapes), blocks_per_seq)
+    scale = 1.5 / math.sqrt(head_dim)
+    starts = torch.tensor([0] + query_lens[:-1]).cumsum(0)
+
+    out = kernels.paged_prefill_attention(
+        q, kv_cache, block_table, starts, torch.tensor(query_lens), torch.tensor(seq_lens), scale, window, 0.0
+    )
+
+    reference = _prefill_reference(q, kv_cache, block_table, query_lens, seq_lens, scale, window, 0.0)
+    tolerance = dict(atol=1e-4, rtol=0) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), reference, **tolerance)
