@@ -7,14 +7,18 @@ the threads; the one for batch 32 (32-column blocks) ran the model's 64-row step
 layer and decoded batch 64 1.15x faster, but 512-row steps of the 576-column weights 1.5x slower,
 where F.linear on the plain weight (laid out anew for each call's size) was as fast as batch 1's
 layout. Which wins depends on the CPU's kernels and the thread count, so with matmul_choice "auto" each
-shape's layout is measured when the engine starts: every candidate's time at decode step sizes, with
-the engine's threads (the split between them is what differs), over the weights of the shape as a step
-reads them (at most STREAMED_BYTES of them), best of PASSES interleaved passes; the winner has the
-lowest sum of times relative to the fastest at each size. Then the winner against the plain weight at
-prefill sizes, over one weight (they are compute-bound): Linear.plain_from is the smallest size from
-which the plain weight stays faster. Both are cached in matmul_choice.json
-(nanoserve.model.matmul_choice) under the CPU, thread count, dtype and shape. "fixed" keeps batch 1's
-layout at every size.
+shape's layout is measured when the engine starts, over the steps it serves: every candidate's time at
+the decode step sizes its weights serve and at prefill sizes, with the engine's threads (the split
+between them is what differs), over the weights of the shape as a step reads them (at most
+STREAMED_BYTES of them: one weight repeated stays in the caches and hides what a layout costs to read),
+best of PASSES interleaved passes; the winner has the lowest sum of times relative to the fastest at
+each size. Where a quantized copy serves the small steps (--quantization int4, up to its limit), only the
+larger ones count: on the Xeon above, gate_up's batch-1 layout won by a hair over 1, 16 and 64 rows, but
+batch 32's decoded batch 64 of an int4 engine 1.1x faster, since int4 serves the first two. Then the
+winner against the plain weight at prefill sizes: Linear.plain_from is the smallest size from which the
+plain weight stays faster. Both are cached in matmul_choice.json (nanoserve.model.matmul_choice) under
+the CPU, thread count, dtype, shape and smallest size served. "fixed" keeps batch 1's layout at every
+size.
 """
 
 from __future__ import annotations
@@ -40,14 +44,19 @@ BATCH_HINTS = (1, 32)
 STEP_SIZES = (1, 16, 64)
 PREFILL_STEP_SIZES = (128, 256, 512)
 PASSES = 3
+METHOD = "served-sizes"
+"""Part of the cache key: answers measured another way are measured again."""
 STREAMED_BYTES = 256 << 20
 """Weights of a shape timed per pass, up to this many bytes: enough to leave the caches, little enough
 that two packed copies of them fit beside a large model."""
 
 
-def pack_key(shape: tuple[int, int], dtype: torch.dtype) -> str:
+def pack_key(shape: tuple[int, int], dtype: torch.dtype, served_from: int = 1) -> str:
     threads = torch.get_num_threads()
-    return f"{library_name(cpu_identity())} layout {threads} threads {dtype} {shape[0]}x{shape[1]}"
+    return (
+        f"{library_name(cpu_identity())} layout {threads} threads {dtype} {shape[0]}x{shape[1]}"
+        f" from {served_from} rows {METHOD}"
+    )
 
 
 def best_hint(times: dict[int, dict[int, float]]) -> int:
@@ -89,46 +98,57 @@ def _best_of_passes(candidates: dict, sizes: Sequence[int], in_features: int, dt
     return times
 
 
-def measure_layout(weights: Sequence[Tensor], prefill: bool = True) -> dict:
-    """The entry cached for a shape: {"batch_hint", "plain_from", "times"} (times: the decode sizes'
-    per hint, the prefill sizes' of the winner and of the plain weight; prefill False: a weight that
-    never sees prefill-sized steps, whose plain_from is left at sys.maxsize)."""
+def measure_layout(weights: Sequence[Tensor], prefill: bool = True, served_from: int = 1) -> dict:
+    """The entry cached for a shape: {"batch_hint", "plain_from", "times"} (times: per layout at the
+    decode sizes and at the prefill sizes, and the plain weight's at the prefill sizes). served_from: the smallest step the layout serves (a quantized
+    copy takes the smaller ones); prefill False: a weight that never sees prefill-sized steps, whose
+    plain_from is left at sys.maxsize."""
     count = 1
     while count < len(weights) and sum(w.nbytes for w in weights[: count + 1]) <= STREAMED_BYTES:
         count += 1
     in_features, dtype = weights[0].shape[1], weights[0].dtype
     packed = {hint: [_packed_matmul(pack_weight(w, hint)) for w in weights[:count]] for hint in BATCH_HINTS}
-    by_hint = _best_of_passes(packed, STEP_SIZES, in_features, dtype)
-    hint = best_hint(by_hint)
+    decode_sizes = [size for size in STEP_SIZES if size >= served_from]
+    by_hint = _best_of_passes(packed, decode_sizes, in_features, dtype) if decode_sizes else {}
     if not prefill:
+        hint = best_hint(by_hint) if by_hint else BATCH_HINTS[0]
         return {"batch_hint": hint, "plain_from": sys.maxsize, "times": {"decode": by_hint}}
-    large = _best_of_passes(
-        {"packed": packed[hint][:1], "plain": [functools.partial(F.linear, weight=weights[0])]},
-        PREFILL_STEP_SIZES,
-        in_features,
-        dtype,
-    )
+    plain = [functools.partial(F.linear, weight=w) for w in weights[:count]]
+    large = _best_of_passes(packed | {"plain": plain}, PREFILL_STEP_SIZES, in_features, dtype)
+    hint = best_hint({hint: by_hint.get(hint, {}) | large[hint] for hint in BATCH_HINTS})
     return {
         "batch_hint": hint,
-        "plain_from": plain_from(large["packed"], large["plain"]),
-        "times": {"decode": by_hint, "prefill": large},
+        "plain_from": plain_from(large[hint], large["plain"]),
+        "times": {
+            "decode": by_hint,
+            "prefill": {hint: large[hint] for hint in BATCH_HINTS},
+            "plain": large["plain"],
+        },
     }
 
 
 def choose_layouts(
     weights_by_shape: dict[tuple[int, int], list[Tensor]],
     decode_only: frozenset[tuple[int, int]] = frozenset(),
+    served_from: dict[tuple[int, int], int] | None = None,
 ) -> dict[tuple[int, int], dict]:
     """Each shape's entry ({"batch_hint", "plain_from", ...}), from the cache or measured (then cached);
-    decode_only: shapes measured at decode sizes only (see measure_layout)."""
+    decode_only: shapes measured at decode sizes only; served_from: per shape, the smallest step its
+    packed weights serve (default 1; see measure_layout)."""
+    served = served_from or {}
     path = cache_file()
     cached = read_cache(path)
-    keys = {shape: pack_key(shape, weights[0].dtype) for shape, weights in weights_by_shape.items()}
+    keys = {
+        shape: pack_key(shape, weights[0].dtype, served.get(shape, 1))
+        for shape, weights in weights_by_shape.items()
+    }
     missing = [shape for shape, key in keys.items() if key not in cached]
     if missing:
         start = time.perf_counter()
         for shape in missing:
-            cached[keys[shape]] = measure_layout(weights_by_shape[shape], shape not in decode_only)
+            cached[keys[shape]] = measure_layout(
+                weights_by_shape[shape], shape not in decode_only, served.get(shape, 1)
+            )
         logger.info(
             "measured the layout of %d bf16 weight shapes in %.1f s",
             len(missing),

@@ -26,6 +26,7 @@ from nanoserve.model.config import ModelConfig
 from nanoserve.model.flash_prefill import choose_min_query_len
 from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.layers.causal_lm import CausalLM
+from nanoserve.model.layers.linear import cpu_prepack_supported
 from nanoserve.model.loader import load_model, load_model_config, resolve_dtype
 from nanoserve.model.sampler import Sampler
 from nanoserve.model.step_choice import choose_quantized_steps
@@ -105,6 +106,8 @@ class ModelRunner:
                 # tokens) must not depend on cpu_kernels
                 model.use_cpu_kernels(self.kernels)
                 choose_quantized_steps(model, self.kernels, self.dtype, options.block_size)
+                if cpu_prepack_supported(self.dtype, self.device):
+                    model.repack_for_quantized_steps()
             model.use_cpu_kernels(self.kernels, fused_decode=options.cpu_kernels == "auto")
         return model
 

@@ -69,8 +69,13 @@ def test_measured_once_then_read_from_the_cache(tiny_gqa_dir, choice_file, monke
     assert {entry["batch_hint"] for entry in entries.values()} <= set(pack_choice.BATCH_HINTS)
     head = entries[pack_choice.pack_key(tuple(model.embed_tokens.weight.shape), torch.bfloat16)]
     assert head["plain_from"] == sys.maxsize and "prefill" not in head["times"]
+    assert all(
+        set(entry["times"]["prefill"]) == {str(h) for h in pack_choice.BATCH_HINTS}
+        for key, entry in entries.items()
+        if key != pack_choice.pack_key(tuple(model.embed_tokens.weight.shape), torch.bfloat16)
+    )
 
-    def no_measuring(weights, prefill=True):
+    def no_measuring(weights, prefill=True, served_from=1):
         raise AssertionError(f"measured {tuple(weights[0].shape)} again")
 
     monkeypatch.setattr(pack_choice, "measure_layout", no_measuring)
@@ -121,3 +126,19 @@ def test_cached_layout_is_the_one_packed_and_fixed_measures_nothing(tiny_gqa_dir
                 out, (x.float() @ qkv.weight.float().T).bfloat16(), rtol=1e-2, atol=1e-2
             )
     assert calls == ["packed", "plain"]
+
+
+def test_a_layout_is_timed_at_the_steps_it_serves(choice_file):
+    """Where a quantized copy takes the steps up to 32 rows, the layouts race at 64 rows and at prefill
+    sizes only, over several weights (one weight repeated would stay in the caches)."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(96, 64, generator=generator).bfloat16() for _ in range(3)]
+    entry = pack_choice.measure_layout(weights, served_from=33)
+    for hint in pack_choice.BATCH_HINTS:
+        assert set(entry["times"]["decode"][hint]) == {64}
+        assert set(entry["times"]["prefill"][hint]) == set(pack_choice.PREFILL_STEP_SIZES)
+    assert entry["batch_hint"] in pack_choice.BATCH_HINTS
+    everything = pack_choice.measure_layout(weights)
+    assert set(everything["times"]["decode"][1]) == set(pack_choice.STEP_SIZES)
+    head = pack_choice.measure_layout(weights, prefill=False, served_from=65)
+    assert head["batch_hint"] == pack_choice.BATCH_HINTS[0] and head["plain_from"] == sys.maxsize

@@ -125,3 +125,38 @@ def test_nothing_to_measure_where_every_step_is_quantized(bf16_int4_model, monke
 
     monkeypatch.setattr(step_choice, "measure_steps", measure)
     assert step_choice.choose_quantized_steps(model, kernels, torch.bfloat16, block_size) == 0
+
+
+def test_bf16_layouts_are_chosen_for_the_steps_int4_leaves_them(monkeypatch, tmp_path):
+    """Once whole steps set the limits (32 rows here), each quantized weight's bf16 copy is packed in
+    the layout measured for steps from 33 rows, not in the one for every size chosen at load."""
+    from nanoserve.model import pack_choice
+    from nanoserve.model.layers import causal_lm
+    from nanoserve.model.layers.linear import Linear
+
+    cpu_kernels_or_skip()
+
+    def limits_of_16(shapes):
+        for shape in shapes:
+            for weight in shape.quantized:
+                weight.max_tokens = 16
+        return {}
+
+    def layout_by_served_size(weights, prefill=True, served_from=1):
+        return {"batch_hint": 32 if served_from == 33 else 1, "plain_from": 512, "times": {}}
+
+    monkeypatch.setattr(causal_lm, "choose_max_tokens", limits_of_16)
+    monkeypatch.setattr(step_choice, "cache_file", lambda: tmp_path / "choice.json")
+    monkeypatch.setattr(pack_choice, "cache_file", lambda: tmp_path / "choice.json")
+    monkeypatch.setattr(step_choice, "measure_steps", lambda *args: {32: (2.0, 1.0), 64: (2.0, 3.0)})
+    monkeypatch.setattr(pack_choice, "measure_layout", layout_by_served_size)
+    folder = build_family("qwen3-gqa-tied", tmp_path / "hf")
+    engine = tiny_engine(folder, dtype="bfloat16", quantization="int4")
+    model = engine.runner.model
+    assert model is not None
+    quantized = [m for m in model.layers.modules() if isinstance(m, Linear) and m.quantized is not None]
+    assert quantized and all(m.quantized.max_tokens == 32 for m in quantized)
+    assert {m.batch_hint for m in quantized} == {32}
+    assert all(m.packed is not None and m.plain_from == 512 for m in quantized)
+    keys = [key for key in step_choice.read_cache(tmp_path / "choice.json") if " layout " in key]
+    assert any(" from 33 rows " in key for key in keys) and any(" from 1 rows " in key for key in keys)

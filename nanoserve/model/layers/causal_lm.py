@@ -145,26 +145,47 @@ class CausalLM(nn.Module):
     def prepack_for_cpu(self, matmul_choice: str = "fixed") -> None:
         """Pack every matmul weight for oneDNN (CPU, bf16); the weights stay for everything else. Each
         shape's layout: measured with matmul_choice "auto", else batch 1's (nanoserve.model.pack_choice)."""
-        linears = [module for module in self.modules() if isinstance(module, Linear)]
-        weights = [module.weight for module in linears]
-        embed = self.embed_tokens.weight
-        if self.lm_head is None:
-            weights.append(embed)
-        by_shape: dict[tuple[int, int], list[Tensor]] = {}
-        for weight in weights:
-            by_shape.setdefault((weight.shape[0], weight.shape[1]), []).append(weight)
-        # the tied lm_head's steps are the sampled rows: never prefill-sized
-        head = frozenset() if self.lm_head is not None else frozenset({(embed.shape[0], embed.shape[1])})
-        fixed = {"batch_hint": 1, "plain_from": sys.maxsize}
-        layouts = (
-            choose_layouts(by_shape, head) if matmul_choice == "auto" else dict.fromkeys(by_shape, fixed)
-        )
-        for module in linears:
-            layout = layouts[(module.weight.shape[0], module.weight.shape[1])]
+        layouts, head_layout = self._layouts(matmul_choice)
+        for module, layout in layouts.items():
             module.prepack(layout["batch_hint"])
             module.plain_from = layout["plain_from"]
+        if head_layout is not None:
+            self.packed_embed = pack_weight(self.embed_tokens.weight, head_layout["batch_hint"])
+
+    def repack_for_quantized_steps(self) -> None:
+        """Once the quantized copies have their limits, lay each shape's packed weights out (measured, as
+        matmul_choice "auto") for the steps those leave to them, packing again only where that changes."""
+        layouts, _ = self._layouts("auto")
+        for module, layout in layouts.items():
+            if module.batch_hint != layout["batch_hint"]:
+                module.prepack(layout["batch_hint"])
+            module.plain_from = layout["plain_from"]
+
+    def _layouts(self, matmul_choice: str) -> tuple[dict[Linear, dict], dict | None]:
+        """Each Linear's layout ({"batch_hint", "plain_from"}, its shape timed at the steps its quantized
+        copies leave to it), and the tied lm_head's (None: untied)."""
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        by_shape: dict[tuple[int, int], list[Tensor]] = {}
+        served_from: dict[tuple[int, int], int] = {}
+        for module in linears:
+            shape = (module.weight.shape[0], module.weight.shape[1])
+            by_shape.setdefault(shape, []).append(module.weight)
+            smallest = 1 if module.quantized is None else module.quantized.max_tokens + 1
+            served_from[shape] = min(served_from.get(shape, smallest), smallest)
+        embed = self.embed_tokens.weight
+        embed_shape = (embed.shape[0], embed.shape[1])
         if self.lm_head is None:
-            self.packed_embed = pack_weight(embed, layouts[(embed.shape[0], embed.shape[1])]["batch_hint"])
+            by_shape.setdefault(embed_shape, []).append(embed)
+        # the tied lm_head's steps are the sampled rows: never prefill-sized
+        head = frozenset() if self.lm_head is not None else frozenset({embed_shape})
+        fixed = {"batch_hint": 1, "plain_from": sys.maxsize}
+        layouts = (
+            choose_layouts(by_shape, head, served_from)
+            if matmul_choice == "auto"
+            else dict.fromkeys(by_shape, fixed)
+        )
+        per_module = {module: layouts[(module.weight.shape[0], module.weight.shape[1])] for module in linears}
+        return per_module, None if self.lm_head is not None else layouts[embed_shape]
 
     def use_dense_matmul(self, dense: DenseMatmul) -> None:
         """Run every float32 matmul on dense (the C++ dense_matmul), the tied lm_head's included."""

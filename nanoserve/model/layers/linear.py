@@ -55,8 +55,12 @@ class Linear(nn.Linear):
     quantized: QuantizedWeight | None = None
     """Used for steps of up to quantized.max_tokens rows (see nanoserve.model.quant)."""
 
+    batch_hint: int = 1
+    """The step size oneDNN laid `packed` out for."""
+
     def prepack(self, batch_hint: int = 1) -> None:
         self.packed = pack_weight(self.weight, batch_hint)
+        self.batch_hint = batch_hint
 
     def forward(self, input: Tensor) -> Tensor:  # nn.Linear's name for it
         if self.quantized is not None and input.shape[0] <= self.quantized.max_tokens:
