@@ -56,8 +56,9 @@ class EngineOptions:
     each of its matrices in the file's own format (none for HF folders). See nanoserve.model.quant."""
     cpu_kernels: str = "auto"
     """auto: decode attention, RMSNorm, rotary embedding and activations in C++ kernels compiled on first
-    use (CPU, bfloat16/float32) where they build, and decode steps of Llama-shaped models as one fused C++
-    call (nanoserve.model.layers.fused_decoder); unfused: the same kernels called layer by layer from
+    use (CPU, bfloat16/float32) where they build, and decode steps of Llama-shaped models (and their
+    prefill steps whose attention is all on the C++ kernel) as one fused C++ call
+    (nanoserve.model.layers.fused_decoder); unfused: the same kernels called layer by layer from
     the PyTorch modules; off: PyTorch ops only."""
     matmul_choice: str = "auto"
     """With quantization: auto measures, once per CPU and weight shape (cached beside the kernel builds),

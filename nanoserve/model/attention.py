@@ -113,6 +113,15 @@ class AttentionMetadata:
             return self.groups[0]
         return None
 
+    @property
+    def prefill_on_kernel(self) -> AttentionGroup | None:
+        """The one group of a step of prompts (or chunks), every sequence attended by the C++ prefill
+        kernel (none goes to torch's flash attention), in batch order; else None."""
+        if self.kernels is None or len(self.groups) != 1:
+            return None
+        group = self.groups[0]
+        return None if group.is_decode or group.split is not None else group
+
 
 def build_attention_metadata(
     query_lens: np.ndarray,

@@ -141,6 +141,9 @@ class CountingDecoder:
         self.num_calls += 1
         return self.fused.forward(x, *args)
 
+    def prefill(self, *args):
+        return self.fused.prefill(*args)
+
 
 @pytest.mark.parametrize("shape", ["qwen3-gqa-tied", "mistral-window"])
 def test_drafted_steps_stay_on_the_fused_decode_step(shape, tmp_path):
@@ -193,6 +196,9 @@ class RegionCheckingDecoder:
             self.region_steps += 1
             self.batch_sizes.add(x.shape[0])
         return out
+
+    def prefill(self, *args):
+        return self.fused.prefill(*args)
 
 
 def _check_regions(engine: EngineCore, prompts: list[list[int]]) -> RegionCheckingDecoder:
@@ -286,3 +292,37 @@ def test_fused_decode_refuses_ids_and_positions_it_has_no_rows_for(fused_dir):
     with pytest.raises(RuntimeError, match="no block for position 2"):
         model.decode(ok_id, caches, torch.full((1, 4), -1, dtype=torch.int32), ok_len)
     assert model.decode(ok_id, caches, table, ok_len).shape == (1, model.config.hidden_size)
+
+
+@pytest.mark.parametrize(
+    "dtype, quantization", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4")]
+)
+def test_fused_prefill_gives_the_module_paths_bits(fused_dir, dtype, quantization):
+    """Every step of prompts whose sequences the C++ prefill kernel attends runs fused; each is checked
+    against the module path on the same inputs: whole prompts, prefix-cache hits and chunks after cached
+    ones."""
+    engine = _engine(fused_dir, "auto", dtype=dtype, quantization=quantization, max_num_batched_tokens=48)
+    model = engine.runner.model
+    assert model is not None
+    fused, module_path = model.fused_decoder, model.forward
+    checked = {"steps": 0, "after_cached": 0}
+
+    def checking_forward(input_ids, positions, kv_caches, attn):
+        group = attn.prefill_on_kernel
+        out = module_path(input_ids, positions, kv_caches, attn)
+        if group is None:
+            return out
+        model.fused_decoder = None
+        reference = module_path(input_ids, positions, kv_caches, attn)
+        model.fused_decoder = fused
+        assert torch.equal(out, reference), "the fused prefill differs from the module path"
+        checked["steps"] += 1
+        checked["after_cached"] += int(bool((group.seq_lens > group.query_lens).any()))
+        return out
+
+    model.forward = checking_forward
+    prompts = _prompts(4, seed=5)
+    _greedy(engine, prompts, "p")
+    _greedy(engine, [p[:16] + [7, 8, 9] for p in prompts[:2]], "f")  # 16 tokens from the prefix cache
+    _greedy(engine, [(_prompts(1, seed=6)[0] * 4)[:50]], "long")  # a chunk of 48, then one of 2
+    assert checked["steps"] >= 3 and checked["after_cached"] >= 2

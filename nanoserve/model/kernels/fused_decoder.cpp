@@ -6,7 +6,8 @@
 // Each stage is the kernel the module path runs for the same step, with the same per-step-size matmul
 // choice, so the two give the same bits; what goes away is the interpreter, the nn.Module calls and the
 // Python bindings between the stages (about 330 small ops per step for SmolLM2-135M, as much time as its
-// quantized matmuls at batch 1).
+// quantized matmuls at batch 1). A prefill step runs the same stages with the prefill attention kernel
+// (`prefill`), one kernel after another.
 //
 // A step whose every matmul is quant_matmul (bf16 or float32, small batches) or dense_matmul (float32 small
 // batches) runs in one OpenMP region: the
@@ -168,21 +169,25 @@ class FusedDecoder {
                  ? forward_in_one_region<at::BFloat16>(x, cos_sin, kv_caches, slot_mapping, block_table, seq_lens)
                  : forward_in_one_region<float>(x, cos_sin, kv_caches, slot_mapping, block_table, seq_lens);
     }
-    at::Tensor h = rms_norm(x, layers_[0].input_norm, eps_);
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const FusedLayer& layer = layers_[i];
-      const at::Tensor& cache = kv_caches[i];
-      at::Tensor qkv = layer.qkv(h);
-      if (layer.q_norm && layer.k_norm) norm_qk_heads(qkv, *layer.q_norm, *layer.k_norm);
-      at::Tensor q = rope_write_kv(qkv, cos_sin, cache, slot_mapping, num_heads_, num_kv_heads_);
-      at::Tensor attended = paged_decode_attention(q, cache, block_table, seq_lens, scale_, layer.window, softcap_);
-      std::tie(x, h) = add_rms_norm(x, layer.o_proj(attended), layer.post_attention_norm, eps_);
-      at::Tensor gate_up = layer.gate_up(h);
-      at::Tensor act = layer.activation == "silu" ? silu_and_mul(gate_up) : gelu_tanh_and_mul(gate_up);
-      const at::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
-      std::tie(x, h) = add_rms_norm(x, layer.down(act), next_norm, eps_);
-    }
-    return h;
+    return kernel_after_kernel(x, cos_sin, kv_caches, slot_mapping, [&](const at::Tensor& q, const at::Tensor& cache, int64_t window) {
+      return paged_decode_attention(q, cache, block_table, seq_lens, scale_, window, softcap_);
+    });
+  }
+
+  // A step of prompts (or chunks of them), every sequence's attention on the prefill kernel, as the module
+  // path runs it when no sequence goes to torch's flash attention: token_ids, positions, slot_mapping
+  // int64 [T]; block_table int32 [S, B]; query_starts, query_lens, seq_lens int64 [S] (the sequences in
+  // token order) -> final-norm hidden [T, hidden].
+  at::Tensor prefill(const at::Tensor& token_ids, const at::Tensor& positions, const std::vector<at::Tensor>& kv_caches,
+                     const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& query_starts,
+                     const at::Tensor& query_lens, const at::Tensor& seq_lens) const {
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "FusedDecoder: one KV cache per layer");
+    TORCH_CHECK(token_ids.dim() == 1 && positions.sizes() == token_ids.sizes(), "FusedDecoder: ids and positions [T]");
+    const at::Tensor x = embedding_.index_select(0, token_ids);
+    const at::Tensor cos_sin = rotary_.index_select(0, positions).view({token_ids.size(0), 2, 1, head_dim_});
+    return kernel_after_kernel(x, cos_sin, kv_caches, slot_mapping, [&](const at::Tensor& q, const at::Tensor& cache, int64_t window) {
+      return paged_prefill_attention(q, cache, block_table, query_starts, query_lens, seq_lens, scale_, window, softcap_);
+    });
   }
 
   bool one_region = true;  // off: kernel after kernel at every step (the region path's reference in tests)
@@ -235,6 +240,26 @@ class FusedDecoder {
                         qk_norms ? layer.k_norm->data_ptr<T>() : nullptr, layer.activation != "silu", layer.window});
     }
     return region;
+  }
+
+  // The layers one kernel after another, each attending with attend(q, its KV cache, its window)
+  template <typename Attend>
+  at::Tensor kernel_after_kernel(at::Tensor x, const at::Tensor& cos_sin, const std::vector<at::Tensor>& kv_caches,
+                                 const at::Tensor& slot_mapping, Attend attend) const {
+    at::Tensor h = rms_norm(x, layers_[0].input_norm, eps_);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const FusedLayer& layer = layers_[i];
+      const at::Tensor& cache = kv_caches[i];
+      at::Tensor qkv = layer.qkv(h);
+      if (layer.q_norm && layer.k_norm) norm_qk_heads(qkv, *layer.q_norm, *layer.k_norm);
+      at::Tensor q = rope_write_kv(qkv, cos_sin, cache, slot_mapping, num_heads_, num_kv_heads_);
+      std::tie(x, h) = add_rms_norm(x, layer.o_proj(attend(q, cache, layer.window)), layer.post_attention_norm, eps_);
+      at::Tensor gate_up = layer.gate_up(h);
+      at::Tensor act = layer.activation == "silu" ? silu_and_mul(gate_up) : gelu_tanh_and_mul(gate_up);
+      const at::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
+      std::tie(x, h) = add_rms_norm(x, layer.down(act), next_norm, eps_);
+    }
+    return h;
   }
 
   template <typename T>
@@ -443,5 +468,6 @@ void register_fused_decoder(pybind11::module& m) {
       .def_readwrite("one_region", &FusedDecoder::one_region)
       .def("one_region_at", &FusedDecoder::one_region_at)
       .def_property("thread_speeds", &FusedDecoder::thread_speeds, &FusedDecoder::set_thread_speeds)
-      .def("forward", &FusedDecoder::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &FusedDecoder::forward, py::call_guard<py::gil_scoped_release>())
+      .def("prefill", &FusedDecoder::prefill, py::call_guard<py::gil_scoped_release>());
 }

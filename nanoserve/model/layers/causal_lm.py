@@ -67,7 +67,8 @@ class CausalLM(nn.Module):
         self.dense_embed: DenseMatmul | None = None  # ... or run on dense_matmul (float32)
         self.quantized_lm_head: QuantizedWeight | None = None  # see quantize
         self.fused_decoder: Any = None
-        """kernels.FusedDecoder: the layers of decode-only steps in one C++ call (see use_cpu_kernels)."""
+        """kernels.FusedDecoder: the layers of decode-only steps, and of prefill steps whose attention is all
+        on the C++ kernel, in one C++ call (see use_cpu_kernels)."""
         self.lm_head = (
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
@@ -79,6 +80,18 @@ class CausalLM(nn.Module):
         decode = attn.decode_only
         if self.fused_decoder is not None and decode is not None:
             return self.decode(input_ids, kv_caches, decode.block_table, decode.seq_lens)
+        prefill = attn.prefill_on_kernel
+        if self.fused_decoder is not None and prefill is not None:
+            return self.fused_decoder.prefill(
+                input_ids,
+                positions,
+                kv_caches,
+                attn.slot_mapping,
+                prefill.block_table,
+                prefill.query_starts,
+                prefill.query_lens,
+                prefill.seq_lens,
+            )
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
