@@ -100,9 +100,10 @@ def _best_of_passes(candidates: dict, sizes: Sequence[int], in_features: int, dt
 
 def measure_layout(weights: Sequence[Tensor], prefill: bool = True, served_from: int = 1) -> dict:
     """The entry cached for a shape: {"batch_hint", "plain_from", "times"} (times: per layout at the
-    decode sizes and at the prefill sizes, and the plain weight's at the prefill sizes). served_from: the smallest step the layout serves (a quantized
-    copy takes the smaller ones); prefill False: a weight that never sees prefill-sized steps, whose
-    plain_from is left at sys.maxsize."""
+    decode and prefill sizes it serves, and the plain weight's at those prefill sizes). served_from: the
+    smallest step the layout serves (a quantized copy takes the smaller ones; past every prefill size, the
+    largest stands in); prefill False: a weight that never sees prefill-sized steps, whose plain_from is
+    left at sys.maxsize."""
     count = 1
     while count < len(weights) and sum(w.nbytes for w in weights[: count + 1]) <= STREAMED_BYTES:
         count += 1
@@ -113,12 +114,13 @@ def measure_layout(weights: Sequence[Tensor], prefill: bool = True, served_from:
     if not prefill:
         hint = best_hint(by_hint) if by_hint else BATCH_HINTS[0]
         return {"batch_hint": hint, "plain_from": sys.maxsize, "times": {"decode": by_hint}}
+    prefill_sizes = [size for size in PREFILL_STEP_SIZES if size >= served_from] or [PREFILL_STEP_SIZES[-1]]
     plain = [functools.partial(F.linear, weight=w) for w in weights[:count]]
-    large = _best_of_passes(packed | {"plain": plain}, PREFILL_STEP_SIZES, in_features, dtype)
-    hint = best_hint({hint: by_hint.get(hint, {}) | large[hint] for hint in BATCH_HINTS})
+    large = _best_of_passes(packed | {"plain": plain}, prefill_sizes, in_features, dtype)
+    winner = best_hint({hint: by_hint.get(hint, {}) | large[hint] for hint in BATCH_HINTS})
     return {
-        "batch_hint": hint,
-        "plain_from": plain_from(large[hint], large["plain"]),
+        "batch_hint": winner,
+        "plain_from": plain_from(large[winner], large["plain"]),
         "times": {
             "decode": by_hint,
             "prefill": {hint: large[hint] for hint in BATCH_HINTS},

@@ -200,8 +200,8 @@ def test_prefill_attention_matches_reference(kernels, two_threads, case, head_di
 @pytest.mark.parametrize("window", [0, 300])
 def test_prefill_attention_over_long_contexts(kernels, two_threads, head_dim, dtype, window):
     """Contexts longer than a block of keys (256 on the AMX tiles): the running softmax carries across
-    blocks, an odd number of key chunks ends a block, and under a long window a row can see none of a
-    block's keys."""
+    blocks, an odd number of key chunks ends a block, a tile's first rows see none of the keys of its
+    last block (they sit past those rows' positions), and a long window starts inside a block."""
     torch.manual_seed(window + head_dim)
     shapes = [(290, 600), (1, 530), (40, 300), (3, 3)]
     query_lens = [query_len for query_len, _ in shapes]

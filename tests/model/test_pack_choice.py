@@ -130,7 +130,8 @@ def test_cached_layout_is_the_one_packed_and_fixed_measures_nothing(tiny_gqa_dir
 
 def test_a_layout_is_timed_at_the_steps_it_serves(choice_file):
     """Where a quantized copy takes the steps up to 32 rows, the layouts race at 64 rows and at prefill
-    sizes only, over several weights (one weight repeated would stay in the caches)."""
+    sizes only, over several weights (one weight repeated would stay in the caches); where it takes up
+    to 199, at the prefill sizes from 200 on."""
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(96, 64, generator=generator).bfloat16() for _ in range(3)]
     entry = pack_choice.measure_layout(weights, served_from=33)
@@ -140,5 +141,10 @@ def test_a_layout_is_timed_at_the_steps_it_serves(choice_file):
     assert entry["batch_hint"] in pack_choice.BATCH_HINTS
     everything = pack_choice.measure_layout(weights)
     assert set(everything["times"]["decode"][1]) == set(pack_choice.STEP_SIZES)
+    large_only = pack_choice.measure_layout(weights, served_from=200)
+    assert large_only["times"]["decode"] == {}
+    assert set(large_only["times"]["prefill"][1]) == {256, 512}
+    past_prefill = pack_choice.measure_layout(weights, served_from=513)
+    assert set(past_prefill["times"]["prefill"][1]) == {512}, "the largest prefill size stands in"
     head = pack_choice.measure_layout(weights, prefill=False, served_from=65)
     assert head["batch_hint"] == pack_choice.BATCH_HINTS[0] and head["plain_from"] == sys.maxsize

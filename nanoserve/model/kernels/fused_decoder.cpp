@@ -169,9 +169,10 @@ class FusedDecoder {
                  ? forward_in_one_region<at::BFloat16>(x, cos_sin, kv_caches, slot_mapping, block_table, seq_lens)
                  : forward_in_one_region<float>(x, cos_sin, kv_caches, slot_mapping, block_table, seq_lens);
     }
-    return kernel_after_kernel(x, cos_sin, kv_caches, slot_mapping, [&](const at::Tensor& q, const at::Tensor& cache, int64_t window) {
+    auto attend = [&](const at::Tensor& q, const at::Tensor& cache, int64_t window) {
       return paged_decode_attention(q, cache, block_table, seq_lens, scale_, window, softcap_);
-    });
+    };
+    return kernel_after_kernel(x, cos_sin, kv_caches, slot_mapping, attend);
   }
 
   // A step of prompts (or chunks of them), every sequence's attention on the prefill kernel, as the module
@@ -185,9 +186,11 @@ class FusedDecoder {
     TORCH_CHECK(token_ids.dim() == 1 && positions.sizes() == token_ids.sizes(), "FusedDecoder: ids and positions [T]");
     const at::Tensor x = embedding_.index_select(0, token_ids);
     const at::Tensor cos_sin = rotary_.index_select(0, positions).view({token_ids.size(0), 2, 1, head_dim_});
-    return kernel_after_kernel(x, cos_sin, kv_caches, slot_mapping, [&](const at::Tensor& q, const at::Tensor& cache, int64_t window) {
-      return paged_prefill_attention(q, cache, block_table, query_starts, query_lens, seq_lens, scale_, window, softcap_);
-    });
+    auto attend = [&](const at::Tensor& q, const at::Tensor& cache, int64_t window) {
+      return paged_prefill_attention(q, cache, block_table, query_starts, query_lens, seq_lens, scale_, window,
+                                     softcap_);
+    };
+    return kernel_after_kernel(x, cos_sin, kv_caches, slot_mapping, attend);
   }
 
   bool one_region = true;  // off: kernel after kernel at every step (the region path's reference in tests)

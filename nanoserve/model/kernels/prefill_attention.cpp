@@ -66,7 +66,7 @@ void pack_context(const T* kv, const int32_t* table, const Layout& L, int64_t D,
     packed.values.assign(chunks * KEY_CHUNK * D, 0.f);
   }
   const T* k_head = kv + kv_head * L.head_stride;
-  for (int64_t pos = start; pos < stop; ++pos) {  // the chunk's lanes before start stay zero: never read
+  for (int64_t pos = start; pos < stop; ++pos) {  // the chunk's lanes before start stay zero, always masked
     const int64_t chunk = pos / KEY_CHUNK - packed.first_chunk, lane = pos % KEY_CHUNK;
     const T* k = k_head + (table[pos / L.block_size] * L.block_size + pos % L.block_size) * D;
     const T* v = k + L.v_offset;
@@ -222,7 +222,7 @@ inline void weigh_values(float* acc, const uint16_t* probs, const uint32_t* valu
 }
 
 // e^x for x <= 0 (a score minus its row's max), to float precision: Cephes' polynomial for e^r on
-// |r| <= ln 2 / 2, scaled by 2^n in one instruction; 0 below e^-87
+// |r| <= ln 2 / 2, scaled by 2^n in one instruction; x below -87 counts as -87 (e^-87: nothing beside 1)
 inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
@@ -265,7 +265,8 @@ inline void softmax_row(float* scores, uint16_t* probs, float* acc, int64_t D, i
   }
   __m512 block_max = _mm512_set1_ps(-FLT_MAX);
   __mmask16 seen = full_end > full_begin ? 0xffff : 0;
-  for (int64_t c = full_begin; c < full_end; ++c) block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(scores + c * KEY_CHUNK));
+  for (int64_t c = full_begin; c < full_end; ++c)
+    block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(scores + c * KEY_CHUNK));
   for (int64_t c = 0; c < chunks; ++c) {
     if (c >= full_begin && c < full_end) continue;
     const __mmask16 lanes_seen = visible(c);

@@ -168,6 +168,7 @@ class CausalLM(nn.Module):
     def repack_for_quantized_steps(self) -> None:
         """Once the quantized copies have their limits, lay each shape's packed weights out (measured, as
         matmul_choice "auto") for the steps those leave to them, packing again only where that changes."""
+        self.fused_decoder = None  # it holds the packed weights: use_cpu_kernels builds it again
         layouts, _ = self._layouts("auto")
         for module, layout in layouts.items():
             if module.batch_hint != layout["batch_hint"]:
