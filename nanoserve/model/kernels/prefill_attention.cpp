@@ -497,10 +497,9 @@ void prefill_attention(const T* q, const T* kv, const int32_t* block_table, cons
   constexpr bool PAIRS = HAS_PAIR_DOTS && std::is_same_v<T, at::BFloat16> && FIXED_D > 0 && FIXED_D % 16 == 0;
   std::vector<PackedContext> contexts(num_seqs * L.num_kv_heads);
   const int threads = at::get_num_threads();
-  bool tiles = false;
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
   constexpr bool TILES = HAS_TILES && PAIRS && FIXED_D % 32 == 0;
-  tiles = TILES && tiles_granted();
+  const bool tiles = TILES && tiles_granted();
 #endif
 #pragma omp parallel num_threads(threads)
   {
