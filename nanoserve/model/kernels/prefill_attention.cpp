@@ -169,8 +169,6 @@ constexpr bool HAS_PAIR_DOTS = false;
 
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
-constexpr bool HAS_TILES = true;
-
 // Linux lends a process the AMX tile registers only once it asks (oneDNN asks too; asking twice is harmless)
 bool tiles_granted() {
   constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
@@ -373,8 +371,6 @@ void attend_tile_amx(const at::BFloat16* q, const PackedContext& context, at::BF
     }
   }
 }
-#else
-constexpr bool HAS_TILES = false;
 #endif
 
 template <bool PAIRS, typename T, int FIXED_D>
@@ -498,7 +494,7 @@ void prefill_attention(const T* q, const T* kv, const int32_t* block_table, cons
   std::vector<PackedContext> contexts(num_seqs * L.num_kv_heads);
   const int threads = at::get_num_threads();
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  constexpr bool TILES = HAS_TILES && PAIRS && FIXED_D % 32 == 0;
+  constexpr bool TILES = PAIRS && FIXED_D % 32 == 0;
   const bool tiles = TILES && tiles_granted();
 #endif
 #pragma omp parallel num_threads(threads)

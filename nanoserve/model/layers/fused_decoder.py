@@ -10,8 +10,8 @@ It serves models whose every layer is the plain Llama shape (DecoderLayer with a
 whole heads, one rotary table): Llama, Mistral, Qwen2, Qwen3, Phi-3. Prefill steps whose every sequence
 the C++ prefill kernel attends run through it too (`prefill`): for a 512-token prompt the module path's
 Python between the kernels cost about 6 ms of 110 (bundled model, int4, AMX Xeon). The module path stays
-the reference and the fallback: mixed steps, prompts sent to torch's flash attention, the other families (Gemma's extra norms,
-experts, partial rotation) and machines without the C++ kernels.
+the reference and the fallback: mixed steps, prompts sent to torch's flash attention, the other families
+(Gemma's extra norms, experts, partial rotation) and machines without the C++ kernels.
 """
 
 from __future__ import annotations
