@@ -370,11 +370,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
 
 namespace {
 
-// One call for the rows of both paths (not inlined: the same machine code sums the squares in the same
-// order wherever it is called from, so a fused path's norms are the module path's bit for bit)
+// One call for the rows of both paths (noipa: neither inlined nor cloned for a caller's constant row count,
+// so the same machine code sums the squares in the same order wherever it is called from, and a fused
+// path's norms are the module path's bit for bit)
 template <typename T>
-__attribute__((noinline)) void norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden,
-                                         float eps) {
+__attribute__((noipa)) void norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden,
+                                      float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* in = x + r * hidden;
     float squares = 0.f;
@@ -415,8 +416,20 @@ namespace {
 
 template <typename T>
 void add_elements(const T* a, const T* b, T* out, int64_t n) {
-  split_work(0, n, 16384, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) out[i] = static_cast<T>(to_float(a[i]) + to_float(b[i]));
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(to_float(a[i]) + to_float(b[i]));
+}
+
+// sum = a + b rounded to T (as torch's add rounds it), out = rms_norm(sum), a row at a time: the row's sum
+// is normed while it is still in L1, where an add over all rows and then a norm over all rows read every
+// row twice from further away and wait for each other at a barrier. sum may be a.
+template <typename T>
+void add_norm_rows(const T* a, const T* b, T* sum, const T* weight, T* out, int64_t rows, int64_t hidden,
+                   float eps) {
+  split_work(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      add_elements(a + r * hidden, b + r * hidden, sum + r * hidden, hidden);
+      norm_rows(sum + r * hidden, weight, out + r * hidden, 1, hidden, eps);
+    }
   });
 }
 
@@ -426,16 +439,21 @@ void add_elements(const T* a, const T* b, T* out, int64_t n) {
 // and the next norm of the module path, in one call.
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight,
                                                       double eps) {
-  TORCH_CHECK(x.sizes() == delta.sizes() && x.scalar_type() == delta.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == delta.sizes() && weight.dim() == 1 && x.size(1) == weight.size(0));
+  TORCH_CHECK(x.scalar_type() == delta.scalar_type() && x.scalar_type() == weight.scalar_type(),
+              "x, delta and weight must share a dtype");
   auto a = x.contiguous(), b = delta.contiguous();
-  auto sum = torch::empty_like(a);
+  auto sum = torch::empty_like(a), normed = torch::empty_like(a);
   if (a.scalar_type() == torch::kBFloat16) {
-    add_elements(a.data_ptr<at::BFloat16>(), b.data_ptr<at::BFloat16>(), sum.data_ptr<at::BFloat16>(), a.numel());
+    add_norm_rows(a.data_ptr<at::BFloat16>(), b.data_ptr<at::BFloat16>(), sum.data_ptr<at::BFloat16>(),
+                  weight.data_ptr<at::BFloat16>(), normed.data_ptr<at::BFloat16>(), a.size(0), a.size(1),
+                  static_cast<float>(eps));
   } else {
     TORCH_CHECK(a.scalar_type() == torch::kFloat32, "bfloat16 or float32 only");
-    add_elements(a.data_ptr<float>(), b.data_ptr<float>(), sum.data_ptr<float>(), a.numel());
+    add_norm_rows(a.data_ptr<float>(), b.data_ptr<float>(), sum.data_ptr<float>(), weight.data_ptr<float>(),
+                  normed.data_ptr<float>(), a.size(0), a.size(1), static_cast<float>(eps));
   }
-  return {sum, rms_norm(sum, weight, eps)};
+  return {sum, normed};
 }
 
 namespace {
@@ -553,8 +571,8 @@ void norm_heads(T* qkv, const T* q_norm, const T* k_norm, int64_t tokens, int64_
 }
 
 template <typename T>
-void add(const T* a, const T* b, T* out, int64_t n) {
-  add_elements(a, b, out, n);
+void add_rms_norm(const T* a, const T* b, T* sum, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
+  add_norm_rows(a, b, sum, weight, out, rows, hidden, eps);
 }
 
 template <typename T>
@@ -597,7 +615,7 @@ void decode_attention(const T* q, const T* kv_cache, const int32_t* block_table,
 #define NANOSERVE_RAW_KERNELS(T)                                                                                 \
   template void rms_norm(const T*, const T*, T*, int64_t, int64_t, float);                                       \
   template void norm_heads(T*, const T*, const T*, int64_t, int64_t, int64_t, int64_t, float);                   \
-  template void add(const T*, const T*, T*, int64_t);                                                            \
+  template void add_rms_norm(const T*, const T*, T*, const T*, T*, int64_t, int64_t, float);                     \
   template void add_bias(T*, const T*, int64_t, int64_t);                                                        \
   template void rope_write_kv(const T*, const T*, T*, T*, const int64_t*, int64_t, int64_t, int64_t, int64_t,    \
                               int64_t);                                                                          \

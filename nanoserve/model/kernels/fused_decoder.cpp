@@ -382,16 +382,14 @@ class FusedDecoder {
         raw::decode_attention(q_p, caches[i], table, lens, shape, scale_, layer.window, softcap_, splits[i],
                               attention_scratch.data(), att);
         layer.o_proj.into(att, rows, scratch, dl);
-        raw::add(stream, dl, res, rows * hidden);
+        raw::add_rms_norm(stream, dl, res, layer.post_attention_norm, hn, rows, hidden, eps);
         stream = res;
-        raw::rms_norm(res, layer.post_attention_norm, hn, rows, hidden, eps);
         layer.gate_up.into(hn, rows, scratch, gu);
         raw::act_and_mul(layer.gelu, gu, ac, rows, intermediate);
         layer.down.into(ac, rows, scratch, dl);
         const bool last = i + 1 == layers.size();
         if (!last) prefetch_lines(&layers[i + 1], sizeof layers[i + 1]);
-        raw::add(res, dl, res, rows * hidden);
-        raw::rms_norm(res, last ? final_norm : layers[i + 1].input_norm, hn, rows, hidden, eps);
+        raw::add_rms_norm(res, dl, res, last ? final_norm : layers[i + 1].input_norm, hn, rows, hidden, eps);
       }
     }
     return h;

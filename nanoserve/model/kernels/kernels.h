@@ -110,8 +110,9 @@ void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden,
 template <typename T>
 void norm_heads(T* qkv, const T* q_norm, const T* k_norm, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
                 int64_t head_dim, float eps);
+// sum = a + b (rounded to T), out = rms_norm(sum) by weight; sum may be a
 template <typename T>
-void add(const T* a, const T* b, T* out, int64_t n);
+void add_rms_norm(const T* a, const T* b, T* sum, const T* weight, T* out, int64_t rows, int64_t hidden, float eps);
 // x [rows, width] += bias, rounded as torch's add rounds
 template <typename T>
 void add_bias(T* x, const T* bias, int64_t rows, int64_t width);
