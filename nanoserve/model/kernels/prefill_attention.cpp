@@ -10,9 +10,10 @@
 // Tasks differ in cost (a later tile sees more keys), so they are handed out one at a time. Where the CPU
 // has AVX512-BF16, bfloat16 scores and weighted sums are dot products of bf16 pairs (float32 sums), the
 // probabilities rounded to bf16 for the second, as PyTorch's own flash attention does. Where it also has
-// AMX, those products run on the tiles: 16 rows score 16 keys per tile instruction and weigh 32 keys'
-// values per instruction and column tile, from the same packed pairs, with the softmax in between taken in
-// AVX-512 over blocks of up to 256 keys (4x faster than the pair dot products at 512 tokens on a Xeon).
+// AMX, those products run on the tiles: 16 keys are scored against 16 rows per tile instruction (a key
+// per tile row, a row per column, so that the softmax in between runs in AVX-512 with a row per lane,
+// over blocks of up to 128 keys), and 32 keys' values are weighed per instruction and column tile (4.5x
+// faster than the pair dot products at 512 tokens on a Xeon).
 #include "kernels.h"
 #include "vec16.h"
 
@@ -44,22 +45,28 @@ struct Layout {
 // A sequence's keys and values for one KV head, a chunk of KEY_CHUNK positions at a time, a key per lane:
 // - float32 (PAIRS false): keys transposed ([chunk][D] vectors), values as rows ([chunk][KEY_CHUNK][D]);
 // - bf16 pairs (PAIRS true): keys as [chunk][D / 2] vectors of (k[2i], k[2i + 1]) per lane, values as
-//   [chunk][KEY_CHUNK / 2][D] pairs (v[2j][d], v[2j + 1][d]), ready for pair dot products.
+//   [chunk][KEY_CHUNK / 2][D] pairs (v[2j][d], v[2j + 1][d]), ready for pair dot products;
+// - for the AMX tiles (key_rows set): the keys as they are in the cache, [chunk][KEY_CHUNK][D] bf16, in
+//   place of the key pairs, and the value pairs.
 struct PackedContext {
   int64_t first_chunk;
   std::vector<vec16> keys;
   std::vector<float> values;
   std::vector<ivec16> key_pairs;
+  std::vector<uint16_t> key_rows;
   std::vector<uint32_t> value_pairs;
 };
 
 template <bool PAIRS, typename T>
 void pack_context(const T* kv, const int32_t* table, const Layout& L, int64_t D, int64_t kv_head, int64_t start,
-                  int64_t stop, PackedContext& packed) {
+                  int64_t stop, bool key_rows, PackedContext& packed) {
   packed.first_chunk = start / KEY_CHUNK;
   const int64_t chunks = (stop + KEY_CHUNK - 1) / KEY_CHUNK - packed.first_chunk;
   if constexpr (PAIRS) {  // one chunk more of zero values: the tiles weigh values two chunks at a time
-    packed.key_pairs.assign(chunks * D / 2, ivec16{});
+    if (key_rows)
+      packed.key_rows.assign(chunks * KEY_CHUNK * D, 0);
+    else
+      packed.key_pairs.assign(chunks * D / 2, ivec16{});
     packed.value_pairs.assign((chunks + 1) * KEY_CHUNK / 2 * D, 0);
   } else {
     packed.keys.assign(chunks * D, vec16{});
@@ -71,11 +78,15 @@ void pack_context(const T* kv, const int32_t* table, const Layout& L, int64_t D,
     const T* k = k_head + (table[pos / L.block_size] * L.block_size + pos % L.block_size) * D;
     const T* v = k + L.v_offset;
     if constexpr (PAIRS) {
-      uint32_t pair;
-      ivec16* keys = packed.key_pairs.data() + chunk * D / 2;
-      for (int64_t i = 0; i < D / 2; ++i) {
-        std::memcpy(&pair, k + 2 * i, sizeof pair);
-        keys[i][lane] = static_cast<int32_t>(pair);
+      if (key_rows) {
+        std::memcpy(packed.key_rows.data() + (chunk * KEY_CHUNK + lane) * D, k, D * sizeof(uint16_t));
+      } else {
+        uint32_t pair;
+        ivec16* keys = packed.key_pairs.data() + chunk * D / 2;
+        for (int64_t i = 0; i < D / 2; ++i) {
+          std::memcpy(&pair, k + 2 * i, sizeof pair);
+          keys[i][lane] = static_cast<int32_t>(pair);
+        }
       }
       uint16_t* values = reinterpret_cast<uint16_t*>(packed.value_pairs.data() + (chunk * KEY_CHUNK / 2 + lane / 2) * D);
       for (int64_t d = 0; d < D; ++d) std::memcpy(values + 2 * d + lane % 2, v + d, sizeof(uint16_t));
@@ -191,7 +202,7 @@ void configure_tiles() {
 }
 
 constexpr int64_t TILE_ROWS = 16;
-constexpr int64_t KEY_BLOCK = 256;  // keys scored before they are weighed: the running softmax rescales per block
+constexpr int64_t KEY_BLOCK = 128;  // keys scored before they are weighed: the running softmax rescales per block
 
 // acc[16 rows][the 4 column tiles from `column`] += probs [16 rows][2 * pairs chunks of keys] times those
 // keys' values (value_pairs' layout: a pair of chunks is one B tile per column tile); tile registers are
@@ -236,76 +247,141 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
-
-// One row's scores of a block of keys (unscaled, as the tiles left them) -> its probabilities in bf16 with
-// the running max and total updated and its sums rescaled where the max grew. Only the chunks that hold
-// the row's position or its window's edge are masked; keys past the block's chunks get zero weight.
-inline void softmax_row(float* scores, uint16_t* probs, float* acc, int64_t D, int64_t chunks, int64_t first_key,
-                        int64_t position, int64_t window, float scale, float softcap, float& max_score,
-                        float& total) {
-  // chunks [full_begin, full_end) are wholly visible; the others are masked lane by lane
-  const int64_t full_end = std::clamp<int64_t>((position - first_key + 1) / KEY_CHUNK, 0, chunks);
-  const int64_t full_begin =
-      window > 0 ? std::clamp<int64_t>(floor_div(position - window - first_key, KEY_CHUNK) + 1, 0, full_end) : 0;
-  const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  auto visible = [&](int64_t c) -> __mmask16 {
-    if (c >= full_begin && c < full_end) return 0xffff;
-    const __m512 keys = _mm512_add_ps(lanes, _mm512_set1_ps(static_cast<float>(first_key + c * KEY_CHUNK)));
-    __mmask16 seen = _mm512_cmp_ps_mask(keys, _mm512_set1_ps(static_cast<float>(position)), _CMP_LE_OQ);
-    if (window > 0)
-      seen &= _mm512_cmp_ps_mask(keys, _mm512_set1_ps(static_cast<float>(position - window)), _CMP_GT_OQ);
-    return seen;
-  };
-  if (softcap > 0.f) {  // capped scores replace the raw ones, already scaled
-    for (int64_t i = 0; i < chunks * KEY_CHUNK; ++i) scores[i] = softcap * std::tanh(scores[i] * scale / softcap);
-    scale = 1.f;
+// rows[i] lane j <-> rows[j] lane i: the 16 x 16 transpose of 32-bit lanes (pairs within each 128-bit
+// lane, then pairs of pairs, then the 128-bit lanes)
+inline void transpose16(__m512i rows[16]) {
+  __m512i pairs[16], quads[16];
+  for (int i = 0; i < 16; i += 2) {
+    pairs[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+    pairs[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
   }
-  __m512 block_max = _mm512_set1_ps(-FLT_MAX);
-  __mmask16 seen = full_end > full_begin ? 0xffff : 0;
-  for (int64_t c = full_begin; c < full_end; ++c)
-    block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(scores + c * KEY_CHUNK));
-  for (int64_t c = 0; c < chunks; ++c) {
-    if (c >= full_begin && c < full_end) continue;
-    const __mmask16 lanes_seen = visible(c);
-    seen |= lanes_seen;
-    block_max = _mm512_mask_max_ps(block_max, lanes_seen, block_max, _mm512_loadu_ps(scores + c * KEY_CHUNK));
+  for (int i = 0; i < 16; i += 4) {
+    quads[i] = _mm512_unpacklo_epi64(pairs[i], pairs[i + 2]);
+    quads[i + 1] = _mm512_unpackhi_epi64(pairs[i], pairs[i + 2]);
+    quads[i + 2] = _mm512_unpacklo_epi64(pairs[i + 1], pairs[i + 3]);
+    quads[i + 3] = _mm512_unpackhi_epi64(pairs[i + 1], pairs[i + 3]);
   }
-  if (!seen) {  // every key of the block is masked for this row
-    std::memset(probs, 0, (chunks + chunks % 2) * KEY_CHUNK * sizeof(uint16_t));
-    return;
+  for (int m = 0; m < 4; ++m) {  // quads[4j + m], 128-bit lane l: column 4l + m of rows 4j..4j+3
+    const __m512i low_a = _mm512_shuffle_i32x4(quads[m], quads[4 + m], 0x44);
+    const __m512i high_a = _mm512_shuffle_i32x4(quads[m], quads[4 + m], 0xee);
+    const __m512i low_b = _mm512_shuffle_i32x4(quads[8 + m], quads[12 + m], 0x44);
+    const __m512i high_b = _mm512_shuffle_i32x4(quads[8 + m], quads[12 + m], 0xee);
+    rows[m] = _mm512_shuffle_i32x4(low_a, low_b, 0x88);
+    rows[4 + m] = _mm512_shuffle_i32x4(low_a, low_b, 0xdd);
+    rows[8 + m] = _mm512_shuffle_i32x4(high_a, high_b, 0x88);
+    rows[12 + m] = _mm512_shuffle_i32x4(high_a, high_b, 0xdd);
   }
-  const float new_max = _mm512_reduce_max_ps(block_max) * scale;
-  if (total == 0.f) {  // the row's first visible keys
-    max_score = new_max;
-  } else if (new_max > max_score) {
-    const float shrink = std::exp(max_score - new_max);
-    total *= shrink;
-    for (int64_t d = 0; d < D; ++d) acc[d] *= shrink;
-    max_score = new_max;
-  }
-  const __m512 scale_v = _mm512_set1_ps(scale), max_v = _mm512_set1_ps(max_score);
-  auto weigh = [&](int64_t c, __mmask16 mask) {
-    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(scores + c * KEY_CHUNK), scale_v, max_v);
-    const __m512 e = _mm512_maskz_mov_ps(mask, exp_nonpositive(x));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + c * KEY_CHUNK), (__m256i)_mm512_cvtneps_pbh(e));
-    return e;
-  };
-  __m512 sum = _mm512_setzero_ps(), sum2 = _mm512_setzero_ps();
-  int64_t c = full_begin;
-  for (; c + 1 < full_end; c += 2) {
-    sum = _mm512_add_ps(sum, weigh(c, 0xffff));
-    sum2 = _mm512_add_ps(sum2, weigh(c + 1, 0xffff));
-  }
-  if (c < full_end) sum = _mm512_add_ps(sum, weigh(c, 0xffff));
-  for (c = 0; c < chunks; ++c)
-    if (c < full_begin || c >= full_end) sum = _mm512_add_ps(sum, weigh(c, visible(c)));
-  total += _mm512_reduce_add_ps(_mm512_add_ps(sum, sum2));
-  if (chunks % 2) std::memset(probs + chunks * KEY_CHUNK, 0, KEY_CHUNK * sizeof(uint16_t));
 }
 
-// attend_tile on the AMX tiles: 16 rows at a time score a block of keys (Q K^T, a tile per 16 keys), take
-// their softmax in vectors, and weigh the block's values (P V) into float32 sums kept in memory between blocks
+// Which of a tile's rows, a row per lane, see a key: at or before the row's position and, with a window,
+// inside it
+struct Visibility {
+  __m512i position, window_edge;
+  int64_t first_position, last_position, window;
+
+  __mmask16 of(int64_t key) const {
+    const __m512i k = _mm512_set1_epi32(static_cast<int32_t>(key));
+    const __mmask16 seen = _mm512_cmple_epi32_mask(k, position);
+    return window > 0 ? seen & _mm512_cmpgt_epi32_mask(k, window_edge) : seen;
+  }
+  // whether every row sees every key of [first, first + KEY_CHUNK)
+  bool whole(int64_t first) const {
+    return first + KEY_CHUNK - 1 <= first_position && (window == 0 || first > last_position - window);
+  }
+};
+
+// The softmax of a tile's 16 rows over a block of keys, a row per lane: scores [key][row] (unscaled, as the
+// tiles left them) -> probs [row][key] in bf16, with the running max and total updated and the sums in acc
+// rescaled where a row's max grew. The keys of a last odd chunk's partner get zero weight.
+template <int64_t D>
+void softmax_block(float* scores, uint16_t* probs, float* acc, int64_t chunks, int64_t first_key,
+                   const Visibility& visible, float scale, float softcap, bool rescale, __m512& max_score,
+                   __m512& total) {
+  const int64_t keys = chunks * KEY_CHUNK;
+  if (softcap > 0.f) {  // capped scores replace the raw ones, already scaled
+    for (int64_t i = 0; i < keys * TILE_ROWS; ++i) scores[i] = softcap * std::tanh(scores[i] * scale / softcap);
+    scale = 1.f;
+  }
+  bool whole[KEY_BLOCK / KEY_CHUNK];
+  __m512 block_max = _mm512_set1_ps(-FLT_MAX);
+  for (int64_t c = 0; c < chunks; ++c) {
+    whole[c] = visible.whole(first_key + c * KEY_CHUNK);
+    for (int64_t t = 0; t < KEY_CHUNK; ++t) {
+      const __m512 s = _mm512_load_ps(scores + (c * KEY_CHUNK + t) * TILE_ROWS);
+      block_max = whole[c] ? _mm512_max_ps(block_max, s)
+                           : _mm512_mask_max_ps(block_max, visible.of(first_key + c * KEY_CHUNK + t), block_max, s);
+    }
+  }
+  // a row that sees none of the block keeps -FLT_MAX * scale at most: its weights stay zero
+  const __m512 new_max = _mm512_max_ps(max_score, _mm512_mul_ps(block_max, _mm512_set1_ps(scale)));
+  const __mmask16 grew = _mm512_cmp_ps_mask(new_max, max_score, _CMP_GT_OQ);
+  if (rescale && grew) {
+    const __m512 shrink = exp_nonpositive(_mm512_sub_ps(max_score, new_max));
+    total = _mm512_mul_ps(total, shrink);
+    alignas(64) float factor[TILE_ROWS];
+    _mm512_store_ps(factor, shrink);
+    for (int64_t r = 0; r < TILE_ROWS; ++r)
+      if (grew >> r & 1)
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_storeu_ps(acc + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), _mm512_set1_ps(factor[r])));
+  }
+  max_score = new_max;
+  // (even key, odd key) bf16 pairs per row: the two keys' 16 bf16 each, interleaved
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // even and odd keys: two chains
+  for (int64_t first = 0; first < keys; first += 2 * KEY_CHUNK) {  // a pair of chunks: one A tile of probs
+    __m512i weights[16];
+    for (int64_t j = 0; j < KEY_CHUNK; ++j) {
+      __m512 e[2];
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t key = first + 2 * j + h;
+        if (key >= keys) {
+          e[h] = _mm512_setzero_ps();
+          continue;
+        }
+        const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(scores + key * TILE_ROWS), scale_v, new_max);
+        e[h] = whole[key / KEY_CHUNK] ? exp_nonpositive(x)
+                                      : _mm512_maskz_mov_ps(visible.of(first_key + key), exp_nonpositive(x));
+        sums[h] = _mm512_add_ps(sums[h], e[h]);
+      }
+      weights[j] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+    }
+    transpose16(weights);
+    for (int64_t r = 0; r < TILE_ROWS; ++r) _mm512_store_si512(probs + r * KEY_BLOCK + first, weights[r]);
+  }
+  total = _mm512_add_ps(total, _mm512_add_ps(sums[0], sums[1]));
+}
+
+// scores [key][row] of up to 4 chunks of keys (K Q^T), a chunk per accumulating tile: four independent
+// chains keep the tile unit busy, where one or two wait on each product before the next (tile registers
+// are named at compile time, hence the unrolled cases)
+template <int64_t D>
+inline void score_chunks(const uint32_t* query_pairs, const uint16_t* keys, float* scores, int64_t n) {
+  _tile_zero(0);
+  if (n > 1) _tile_zero(1);
+  if (n > 2) _tile_zero(2);
+  if (n > 3) _tile_zero(3);
+  for (int64_t part = 0; part < D / 32; ++part) {
+    const uint16_t* k = keys + part * 32;
+    _tile_loadd(5, query_pairs + part * 16 * TILE_ROWS, 64);
+    _tile_loadd(4, k, D * 2);
+    _tile_dpbf16ps(0, 4, 5);
+    if (n > 1) { _tile_loadd(6, k + KEY_CHUNK * D, D * 2); _tile_dpbf16ps(1, 6, 5); }
+    if (n > 2) { _tile_loadd(7, k + 2 * KEY_CHUNK * D, D * 2); _tile_dpbf16ps(2, 7, 5); }
+    if (n > 3) { _tile_loadd(4, k + 3 * KEY_CHUNK * D, D * 2); _tile_dpbf16ps(3, 4, 5); }
+  }
+  _tile_stored(0, scores, 64);
+  if (n > 1) _tile_stored(1, scores + KEY_CHUNK * TILE_ROWS, 64);
+  if (n > 2) _tile_stored(2, scores + 2 * KEY_CHUNK * TILE_ROWS, 64);
+  if (n > 3) _tile_stored(3, scores + 3 * KEY_CHUNK * TILE_ROWS, 64);
+}
+
+// attend_tile on the AMX tiles: 16 rows at a time score a block of keys, a key per tile row and a row per
+// column (K Q^T: the keys' rows straight from the packed cache), so that the softmax runs down the lanes
+// with a row in each (no sums across lanes, one exponential per 16 scores); its probabilities, turned back
+// into rows, weigh the block's values (P V) into float32 sums kept in memory between blocks
 template <int64_t D>
 void attend_tile_amx(const at::BFloat16* q, const PackedContext& context, at::BFloat16* out, const Layout& L,
                      int64_t kv_head, int64_t context_start, int64_t first_query, int64_t num_queries, float scale,
@@ -313,60 +389,50 @@ void attend_tile_amx(const at::BFloat16* q, const PackedContext& context, at::BF
   const int64_t per_kv = L.per_kv, rows = num_queries * per_kv;
   const int64_t first = context_start + first_query;
   const int64_t start = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
-  alignas(64) at::BFloat16 query[TILE_ROWS * D];
-  alignas(64) float scores[TILE_ROWS * KEY_BLOCK];
-  alignas(64) uint16_t probs[TILE_ROWS * KEY_BLOCK];
+  alignas(64) uint32_t query_pairs[D / 2 * TILE_ROWS];  // Q^T as B tiles: [pair of dimensions][row]
+  alignas(64) float scores[KEY_BLOCK * TILE_ROWS];      // [key][row]
+  alignas(64) uint16_t probs[TILE_ROWS * KEY_BLOCK];    // [row][key]
   alignas(64) float acc[TILE_ROWS * D];
-  float max_score[TILE_ROWS], total[TILE_ROWS];
-  int64_t position[TILE_ROWS];
+  alignas(64) int32_t position[TILE_ROWS];
   for (int64_t group = 0; group < rows; group += TILE_ROWS) {
     const int64_t n = std::min(TILE_ROWS, rows - group);
+    const at::BFloat16* query[TILE_ROWS];  // rows past n repeat the last one: their outputs are dropped
     for (int64_t r = 0; r < TILE_ROWS; ++r) {
-      max_score[r] = 0.f;
-      total[r] = 0.f;
-      const int64_t i = (group + std::min(r, n - 1)) / per_kv;
-      position[r] = first + i;
-      if (r < n)
-        std::memcpy(query + r * D, q + ((first_query + i) * L.num_heads + kv_head * per_kv + (group + r) % per_kv) * D,
-                    D * sizeof(at::BFloat16));
-      else
-        std::memset(query + r * D, 0, D * sizeof(at::BFloat16));
+      const int64_t row = group + std::min(r, n - 1), i = row / per_kv;
+      position[r] = static_cast<int32_t>(first + i);
+      query[r] = q + ((first_query + i) * L.num_heads + kv_head * per_kv + row % per_kv) * D;
     }
+    for (int64_t part = 0; part < D / 32; ++part) {
+      __m512i block[TILE_ROWS];
+      for (int64_t r = 0; r < TILE_ROWS; ++r) block[r] = _mm512_loadu_si512(query[r] + part * 32);
+      transpose16(block);
+      for (int64_t j = 0; j < 16; ++j) _mm512_store_si512(query_pairs + (part * 16 + j) * TILE_ROWS, block[j]);
+    }
+    const __m512i positions = _mm512_load_si512(position);
+    const Visibility visible{positions, _mm512_sub_epi32(positions, _mm512_set1_epi32(static_cast<int32_t>(window))),
+                             position[0], position[TILE_ROWS - 1], window};
+    __m512 max_score = _mm512_set1_ps(-FLT_MAX), total = _mm512_setzero_ps();
     std::fill(acc, acc + TILE_ROWS * D, 0.f);
-    std::fill(probs, probs + TILE_ROWS * KEY_BLOCK, 0);  // padded rows and chunks weigh nothing
     const int64_t first_index = start / KEY_CHUNK - context.first_chunk;
     const int64_t end_index = position[TILE_ROWS - 1] / KEY_CHUNK + 1 - context.first_chunk;
     for (int64_t block = first_index; block < end_index; block += KEY_BLOCK / KEY_CHUNK) {
       const int64_t chunks = std::min(KEY_BLOCK / KEY_CHUNK, end_index - block);
-      const ivec16* keys = context.key_pairs.data() + block * D / 2;
-      for (int64_t c = 0; c < chunks; c += 2) {
-        const bool both = c + 1 < chunks;
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int64_t part = 0; part < D / 32; ++part) {
-          _tile_loadd(4, query + part * 32, D * 2);
-          _tile_loadd(5, keys + c * D / 2 + part * 16, 64);
-          _tile_dpbf16ps(0, 4, 5);
-          if (both) {
-            _tile_loadd(6, keys + (c + 1) * D / 2 + part * 16, 64);
-            _tile_dpbf16ps(1, 4, 6);
-          }
-        }
-        _tile_stored(0, scores + c * KEY_CHUNK, KEY_BLOCK * 4);
-        if (both) _tile_stored(1, scores + (c + 1) * KEY_CHUNK, KEY_BLOCK * 4);
-      }
-      const int64_t first_key = (context.first_chunk + block) * KEY_CHUNK;
-      for (int64_t r = 0; r < n; ++r)
-        softmax_row(scores + r * KEY_BLOCK, probs + r * KEY_BLOCK, acc + r * D, D, chunks, first_key, position[r],
-                    window, scale, softcap, max_score[r], total[r]);
+      const uint16_t* keys = context.key_rows.data() + block * KEY_CHUNK * D;
+      for (int64_t c = 0; c < chunks; c += 4)
+        score_chunks<D>(query_pairs, keys + c * KEY_CHUNK * D, scores + c * KEY_CHUNK * TILE_ROWS,
+                        std::min<int64_t>(4, chunks - c));
+      softmax_block<D>(scores, probs, acc, chunks, (context.first_chunk + block) * KEY_CHUNK, visible, scale, softcap,
+                       block > first_index, max_score, total);
       const uint32_t* values = context.value_pairs.data() + block * KEY_CHUNK / 2 * D;
       for (int64_t column = 0; column < D / 16; column += 4)
         weigh_values<D>(acc, probs, values, (chunks + 1) / 2, column);
     }
+    alignas(64) float totals[TILE_ROWS];
+    _mm512_store_ps(totals, total);
     for (int64_t r = 0; r < n; ++r) {
       const int64_t i = (group + r) / per_kv;
       at::BFloat16* o = out + ((first_query + i) * L.num_heads + kv_head * per_kv + (group + r) % per_kv) * D;
-      const float inverse = 1.f / total[r];
+      const float inverse = 1.f / totals[r];
       for (int64_t d = 0; d < D; ++d) o[d] = static_cast<at::BFloat16>(acc[r * D + d] * inverse);
     }
   }
@@ -496,6 +562,9 @@ void prefill_attention(const T* q, const T* kv, const int32_t* block_table, cons
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
   constexpr bool TILES = PAIRS && FIXED_D % 32 == 0;
   const bool tiles = TILES && tiles_granted();
+  const bool key_rows = tiles;
+#else
+  const bool key_rows = false;
 #endif
 #pragma omp parallel num_threads(threads)
   {
@@ -504,7 +573,7 @@ void prefill_attention(const T* q, const T* kv, const int32_t* block_table, cons
       const int64_t seq = item / L.num_kv_heads, context_start = seq_lens[seq] - query_lens[seq];
       const int64_t start = window > 0 ? std::max<int64_t>(0, context_start - window + 1) : 0;
       pack_context<PAIRS>(kv, block_table + seq * L.max_blocks, L, head_dim, item % L.num_kv_heads, start, seq_lens[seq],
-                   contexts[item]);
+                          key_rows, contexts[item]);
     }
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (tiles) configure_tiles();
