@@ -5,11 +5,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= The capital of France is
 
-.PHONY: setup serve run test test-web install-chromium lint bench bench-ipc bench-peers bench-serve-peers clean
+.PHONY: setup serve run test test-web install-chromium install-jemalloc lint bench bench-ipc bench-peers bench-serve-peers clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
+	$(MAKE) --no-print-directory install-jemalloc
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ".[test]"
@@ -30,6 +31,13 @@ test: $(STAMP)
 	$(BIN)/ruff check nanoserve tests
 	$(BIN)/ty check nanoserve
 	$(BIN)/pytest $(PYTEST_FLAGS) tests -m "not browser"
+
+# Engine-core processes preload jemalloc where it is installed (nanoserve/engine/core_client/allocator.py);
+# without root or apt the engine keeps the C library's malloc, so a failure here only says so.
+install-jemalloc:
+	ldconfig -p | grep -q libjemalloc.so.2 || (apt-get update && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libjemalloc2) || \
+		echo "libjemalloc2 not installed: engines run on the C library's malloc (slower prefills)"
 
 # The web page's tests drive Debian's chromium through Playwright (never `playwright install`: no browser
 # downloads); it is installed here when missing (as root, as in CI).

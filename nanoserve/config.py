@@ -17,6 +17,7 @@ QUANTIZATIONS = ("none", "auto", "int4", "int8")
 CPU_KERNEL_MODES = ("auto", "unfused", "off")
 MATMUL_CHOICES = ("auto", "fixed")
 START_METHODS = ("spawn", "forkserver", "fork")
+ENGINE_ALLOCATORS = ("auto", "jemalloc", "system")
 TRANSPORTS = ("ipc", "tcp")
 DP_BACKENDS = ("mp", "ray")
 SPECULATIVE_METHODS = ("none", "ngram")
@@ -82,6 +83,10 @@ class EngineOptions:
     the IPC benchmark and client tests."""
     engine_start_method: str = "spawn"
     """How the multiprocess client starts engine-core processes (multiprocessing start method)."""
+    engine_allocator: str = "auto"
+    """The malloc of engine-core processes (nanoserve.engine.core_client.allocator): jemalloc preloads
+    jemalloc (needs multiprocess_mode, the mp backend and the spawn start method); auto does so where
+    the library is found, those hold and no LD_PRELOAD is set; system keeps the C library's malloc."""
     transport: str = "ipc"
     """ipc: Unix sockets in the temp dir; tcp: loopback ports chosen by the kernel."""
     zmq_curve: bool = True
@@ -130,6 +135,7 @@ class EngineOptions:
             raise ValueError(
                 f"engine_start_method must be one of {START_METHODS}, got {self.engine_start_method!r}."
             )
+        self._validate_engine_allocator()
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}.")
         if self.shutdown_timeout < 0:
@@ -156,6 +162,21 @@ class EngineOptions:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}.")
         self._validate_data_parallel()
         self._validate_speculative()
+
+    def _validate_engine_allocator(self) -> None:
+        if self.engine_allocator not in ENGINE_ALLOCATORS:
+            raise ValueError(
+                f"engine_allocator must be one of {ENGINE_ALLOCATORS}, got {self.engine_allocator!r}."
+            )
+        if self.engine_allocator == "jemalloc" and not (
+            self.multiprocess_mode
+            and self.engine_start_method == "spawn"
+            and self.data_parallel_backend == "mp"
+        ):
+            raise ValueError(
+                "engine_allocator='jemalloc' needs multiprocess_mode, engine_start_method='spawn' and "
+                "data_parallel_backend='mp': only a spawned engine-core process can start on another malloc."
+            )
 
     def _validate_speculative(self) -> None:
         if self.speculative not in SPECULATIVE_METHODS:

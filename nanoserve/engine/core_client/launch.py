@@ -35,6 +35,7 @@ import zmq
 
 from nanoserve import envs
 from nanoserve.config import EngineOptions
+from nanoserve.engine.core_client.allocator import engine_preload, preloaded
 from nanoserve.engine.core_client.engine_input import EngineInput
 from nanoserve.engine.exceptions import EngineDeadError, EngineStartupError
 from nanoserve.wire.codec import MsgpackDecoder
@@ -228,8 +229,11 @@ class EngineProcManager:
             frontend_pid=os.getpid(),
             curve=addresses.engine_curve(rank),
         )
+        preload = engine_preload(options)
+        if preload is not None:
+            logger.info("engine core %d starts with %s preloaded", rank, preload)
         self.procs[rank] = start_process(
-            options.engine_start_method, run_engine_core, f"EngineCore_{rank}", (args,)
+            options.engine_start_method, run_engine_core, f"EngineCore_{rank}", (args,), preload
         )
 
     def kill(self, rank: int) -> None:
@@ -278,11 +282,14 @@ class EngineProcManager:
                 self.wait(rank, KILL_WAIT_S)
 
 
-def start_process(start_method: str, target: Callable[..., None], name: str, args: tuple) -> BaseProcess:
-    """Start a daemon child (an engine core, the coordinator) with `start_method`."""
+def start_process(
+    start_method: str, target: Callable[..., None], name: str, args: tuple, preload: str | None = None
+) -> BaseProcess:
+    """Start a daemon child (an engine core, the coordinator) with `start_method`, with `preload` in
+    its LD_PRELOAD (nanoserve.engine.core_client.allocator)."""
     context: Any = multiprocessing.get_context(start_method)  # typed as BaseContext, which lacks Process
     proc = context.Process(target=target, name=name, args=args, daemon=True)
-    with main_module_hidden(start_method):
+    with main_module_hidden(start_method), preloaded(preload):
         proc.start()
     return proc
 
