@@ -34,8 +34,9 @@ def engine_maps(options: EngineOptions) -> str:
 @pytest.mark.parametrize("choice", ["auto", "jemalloc"])
 def test_the_engine_runs_on_jemalloc_and_the_frontend_keeps_its_environment(choice, monkeypatch):
     monkeypatch.delenv(allocator.PRELOAD, raising=False)
+    monkeypatch.delenv(allocator.CONF, raising=False)
     assert "libjemalloc" in engine_maps(EngineOptions(runner="null", engine_allocator=choice))
-    assert allocator.PRELOAD not in os.environ
+    assert allocator.PRELOAD not in os.environ and allocator.CONF not in os.environ
     assert "libjemalloc" not in mapped_libraries(os.getpid())
 
 
@@ -84,8 +85,19 @@ def test_an_unknown_allocator_is_refused():
         EngineOptions(engine_allocator="tcmalloc")
 
 
-def test_the_preload_is_restored_after_a_start(monkeypatch):
+def test_a_start_keeps_freed_pages_unless_the_user_configured_jemalloc(monkeypatch):
+    monkeypatch.delenv(allocator.PRELOAD, raising=False)
+    monkeypatch.delenv(allocator.CONF, raising=False)
+    with allocator.preloaded("libjemalloc.so.2"):
+        assert os.environ[allocator.CONF] == allocator.KEEP_FREED_PAGES
+    assert allocator.CONF not in os.environ and allocator.PRELOAD not in os.environ
+
+
+def test_the_preload_is_restored_after_a_start_and_a_users_malloc_conf_kept(monkeypatch):
     monkeypatch.setenv(allocator.PRELOAD, "libuser.so")
+    monkeypatch.setenv(allocator.CONF, "narenas:1")
     with allocator.preloaded("libjemalloc.so.2"):
         assert os.environ[allocator.PRELOAD] == "libjemalloc.so.2"
+        assert os.environ[allocator.CONF] == "narenas:1"
     assert os.environ[allocator.PRELOAD] == "libuser.so"
+    assert os.environ[allocator.CONF] == "narenas:1"
