@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes.util
-import logging
+import functools
 import os
 import threading
 from collections.abc import Generator
 
 from nanoserve.config import EngineOptions
-
-logger = logging.getLogger(__name__)
 
 PRELOAD = "LD_PRELOAD"
 CONF = "MALLOC_CONF"
@@ -36,8 +34,10 @@ KEEP_FREED_PAGES = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 _ENVIRON_LOCK = threading.Lock()
 
 
+@functools.cache
 def jemalloc_library() -> str | None:
-    """jemalloc's shared library as the dynamic loader finds it (Debian: libjemalloc2), or None."""
+    """jemalloc's shared library as the dynamic loader finds it (Debian: libjemalloc2), or None. Looked
+    up once: find_library runs `ldconfig -p`, and every engine start and restart asks."""
     return ctypes.util.find_library("jemalloc")
 
 
