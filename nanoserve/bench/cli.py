@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
+from types import FrameType
 
 BENCHMARKS = {
     "throughput": "nanoserve.bench.throughput",
@@ -33,5 +35,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    raise_on_sigterm()
     importlib.import_module(BENCHMARKS[args.name]).main(args.args)
     return 0
+
+
+def raise_on_sigterm() -> None:
+    """A SIGTERM stops a benchmark as Ctrl-C does, by an exception, so that the servers and workers it
+    started in sessions of their own are taken down on the way out instead of left running."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)

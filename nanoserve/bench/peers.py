@@ -21,6 +21,7 @@ system is measured across the same stretch of time rather than each in its own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -213,16 +214,23 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
+def worker_command(system: str, spec_file: Path, result_file: Path) -> list[str]:
+    code = "import sys; from nanoserve.bench.peers import worker; worker(*sys.argv[1:])"
+    return [sys.executable, "-c", code, system, str(spec_file), str(result_file)]
+
+
 def run_system(system: str, spec_file: Path, log_dir: Path, timeout: float) -> dict:
-    """Run one system's worker in a fresh process group (killed whole on timeout: the engines start
-    children of their own) and read back what it measured."""
+    """Run one system's worker in a fresh process group and read back what it measured. The group is killed
+    whole once the worker ends, times out, or this process is stopped (Ctrl-C, or SIGTERM under `nanoserve
+    bench`): the engines start children of their own, and a session of its own is out of reach of the
+    terminal's Ctrl-C."""
     env = vllm_env() if system == "vllm" else dict(os.environ)
     result_file, log_file = log_dir / f"{system}.json", log_dir / f"{system}.log"
     result_file.unlink(missing_ok=True)
-    code = "import sys; from nanoserve.bench.peers import worker; worker(*sys.argv[1:])"
+    timed_out = False
     with open(log_file, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-c", code, system, str(spec_file), str(result_file)],
+            worker_command(system, spec_file, result_file),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -231,14 +239,17 @@ def run_system(system: str, spec_file: Path, log_dir: Path, timeout: float) -> d
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            timed_out = True
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     result: dict[str, Any] = (
         json.loads(result_file.read_text())
         if result_file.exists()
         else {"tok_s": {}, "sampled_tok_s": {}, "ttft_s": []}
     )
-    if proc.returncode == -signal.SIGKILL and not result.get("error"):
+    if timed_out and not result.get("error"):
         result["error"] = f"timed out after {timeout:.0f} s"
     elif proc.returncode and not result.get("error"):
         lines = [line for line in log_file.read_text().splitlines() if line.strip()]

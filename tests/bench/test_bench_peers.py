@@ -3,8 +3,15 @@ in .venv-peers only): nanoserve's rows (greedy, sampled) are measured, the peer'
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 
 from nanoserve.bench import peers
@@ -106,3 +113,57 @@ def test_a_failed_ttft_leaves_the_throughput_runs_measured(tmp_path, monkeypatch
     result = json.loads(result_file.read_text())
     assert result["tok_s"] == {"1": [2.0]} and result["sampled_tok_s"] == {"1": [2.0]}
     assert result["ttft_s"] == [] and result["error"].startswith("TTFT: ValueError: prompt longer")
+
+
+STOPPED_RUN = """
+import sys
+from pathlib import Path
+from nanoserve.bench import cli, peers
+
+work, pid_file = Path(sys.argv[1]), sys.argv[2]
+# a worker that starts a child of its own (as an engine does) and runs until it is killed
+worker = (
+    "import subprocess, sys, time; "
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+    "open(sys.argv[1], 'w').write(f'{child.pid}'); time.sleep(600)"
+)
+peers.worker_command = lambda system, spec_file, result_file: [sys.executable, "-c", worker, pid_file]
+cli.raise_on_sigterm()
+peers.run_system("nanoserve", work / "spec.json", work, timeout=600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stopped_run_takes_down_its_worker_and_the_workers_children(tmp_path, stop):
+    """Workers run in sessions of their own, out of reach of the terminal's Ctrl-C: stopping `bench peers`
+    must kill them, and the engines they started, instead of leaving them decoding beside the next run."""
+    pid_file = tmp_path / "grandchild.pid"
+    run = subprocess.Popen([sys.executable, "-c", STOPPED_RUN, str(tmp_path), str(pid_file)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert run.poll() is None and time.monotonic() < deadline, "the worker never started its child"
+            time.sleep(0.1)
+        grandchild = int(pid_file.read_text())
+        workers = [p for p in psutil.Process(run.pid).children() if p.pid != grandchild]
+        assert len(workers) == 1 and not _gone(grandchild)
+        run.send_signal(stop)
+        assert run.wait(timeout=30) != 0
+        deadline = time.monotonic() + 30
+        while not (_gone(grandchild) and _gone(workers[0].pid)):
+            assert time.monotonic() < deadline, "the worker or its child outlived the stopped run"
+            time.sleep(0.1)
+    finally:
+        run.kill()
+        run.wait()
+        if pid_file.exists() and pid_file.read_text():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
