@@ -90,7 +90,7 @@ def load_model(
     model.load_state_dict(state, assign=True)  # the loaded tensors become the parameters: no second copy
     model.requires_grad_(False).eval()
     if cpu_prepack_supported(dtype, device):
-        model.prepack_for_cpu(matmul_choice)
+        model.prepack_for_cpu(matmul_choice, kernels)
     elif kernels is not None and dtype == torch.float32 and device.type == "cpu":
         model.use_dense_matmul(kernels.dense_matmul)
     if quantization != "none":

@@ -107,7 +107,7 @@ class ModelRunner:
                 model.use_cpu_kernels(self.kernels)
                 choose_quantized_steps(model, self.kernels, self.dtype, options.block_size)
                 if cpu_prepack_supported(self.dtype, self.device):
-                    model.repack_for_quantized_steps()
+                    model.repack_for_quantized_steps(self.kernels)
             model.use_cpu_kernels(self.kernels, fused_decode=options.cpu_kernels == "auto")
         return model
 

@@ -19,6 +19,7 @@ from gguf_files import write_gguf
 
 from nanoserve.core.engine_core import EngineCore
 from nanoserve.model.kernels import cpu_kernels
+from nanoserve.model.layers.linear import Linear
 from nanoserve.model.loader import load_model_config
 from nanoserve.model.quant import GROUP_SIZE, fast_kernels, quantization_error
 from tests.core.engine_steps import request, run_to_completion, tiny_engine
@@ -295,15 +296,34 @@ def test_fused_decode_refuses_ids_and_positions_it_has_no_rows_for(fused_dir):
 
 
 @pytest.mark.parametrize(
-    "dtype, quantization", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4")]
+    "dtype, quantization, by_rows",
+    [
+        ("float32", "none", False),
+        ("bfloat16", "none", False),
+        ("bfloat16", "int4", False),
+        ("bfloat16", "none", True),
+        ("bfloat16", "int4", True),
+    ],
 )
-def test_fused_prefill_gives_the_module_paths_bits(fused_dir, dtype, quantization):
+def test_fused_prefill_gives_the_module_paths_bits(fused_dir, dtype, quantization, by_rows):
     """Every step of prompts whose sequences the C++ prefill kernel attends runs fused; each is checked
     against the module path on the same inputs: whole prompts, prefix-cache hits and chunks after cached
-    ones."""
+    ones. by_rows: every step of more than 8 rows multiplies the packed weights by rows (Linear.split_from;
+    int4 gives those steps up), in both."""
     engine = _engine(fused_dir, "auto", dtype=dtype, quantization=quantization, max_num_batched_tokens=48)
     model = engine.runner.model
     assert model is not None
+    split_calls = []
+    if by_rows:
+        kernels = cpu_kernels()
+        assert kernels is not None
+        for module in model.modules():
+            if isinstance(module, Linear) and module.packed is not None:
+                if module.quantized is not None:
+                    module.quantized.max_tokens = 8
+                module.split_from = 9
+                module.by_rows = lambda *args: split_calls.append(1) or kernels.packed_linear_by_rows(*args)
+        model.use_cpu_kernels(kernels)  # the fused decoder again, with the new step choices
     fused, module_path = model.fused_decoder, model.forward
     checked = {"steps": 0, "after_cached": 0}
 
@@ -326,3 +346,4 @@ def test_fused_prefill_gives_the_module_paths_bits(fused_dir, dtype, quantizatio
     _greedy(engine, [p[:16] + [7, 8, 9] for p in prompts[:2]], "f")  # 16 tokens from the prefix cache
     _greedy(engine, [(_prompts(1, seed=6)[0] * 4)[:50]], "long")  # a chunk of 48, then one of 2
     assert checked["steps"] >= 3 and checked["after_cached"] >= 2
+    assert bool(split_calls) == by_rows

@@ -142,8 +142,9 @@ def test_bf16_layouts_are_chosen_for_the_steps_int4_leaves_them(monkeypatch, tmp
                 weight.max_tokens = 16
         return {}
 
-    def layout_by_served_size(weights, prefill=True, served_from=1):
-        return {"batch_hint": 32 if served_from == 33 else 1, "plain_from": 512, "times": {}}
+    def layout_by_served_size(weights, prefill=True, served_from=1, by_rows=None):
+        hint = 32 if served_from == 33 else 1
+        return {"batch_hint": hint, "plain_from": 512, "split_from": 1024, "times": {}}
 
     monkeypatch.setattr(causal_lm, "choose_max_tokens", limits_of_16)
     monkeypatch.setattr(step_choice, "cache_file", lambda: tmp_path / "choice.json")
@@ -157,6 +158,7 @@ def test_bf16_layouts_are_chosen_for_the_steps_int4_leaves_them(monkeypatch, tmp
     quantized = [m for m in model.layers.modules() if isinstance(m, Linear) and m.quantized is not None]
     assert quantized and all(m.quantized.max_tokens == 32 for m in quantized)
     assert {m.batch_hint for m in quantized} == {32}
-    assert all(m.packed is not None and m.plain_from == 512 for m in quantized)
+    assert all(m.packed is not None and m.plain_from == 512 and m.split_from == 1024 for m in quantized)
+    assert all(m.by_rows is engine.runner.kernels.packed_linear_by_rows for m in quantized)
     keys = [key for key in step_choice.read_cache(tmp_path / "choice.json") if " layout " in key]
     assert any(" from 33 rows " in key for key in keys) and any(" from 1 rows " in key for key in keys)

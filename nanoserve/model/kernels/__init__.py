@@ -30,6 +30,7 @@ SOURCES = [
         "prefill_attention.cpp",
         "quant_matmul.cpp",
         "dense_matmul.cpp",
+        "packed_linear.cpp",
         "fused_decoder.cpp",
         "sampling.cpp",
     )

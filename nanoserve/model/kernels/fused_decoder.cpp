@@ -17,8 +17,6 @@
 #include "kernels.h"
 #include "work_split.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
-
 #include <array>
 #include <cstring>
 #include <limits>
@@ -28,21 +26,7 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
-
 constexpr int64_t TORCH_INT4_GROUP = 32;
-
-// oneDNN's matmul over a pre-packed bf16 weight (what torch.ops.mkldnn._linear_pointwise runs)
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                         c10::string_view, c10::List<std::optional<at::Scalar>>,
-                                         std::optional<c10::string_view>)>();
-  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
-}
-
-}  // namespace
 
 // One matmul of a decode region as its threads call it: raw pointers, looked up when the decoder is built.
 template <typename T>
@@ -67,8 +51,8 @@ struct RegionMatmul {
 };
 
 // One Linear of the module path (nanoserve/model/layers/linear.py) with its choice per step size: the
-// quantized weight for steps of up to max_tokens rows, else dense_matmul (float32), else below plain_from
-// rows the oneDNN-packed weight, else the plain one.
+// quantized weight for steps of up to max_tokens rows, else dense_matmul (float32), else from split_from rows
+// the oneDNN-packed weight by rows, else below plain_from rows the packed weight, else the plain one.
 struct FusedMatmul {
   at::Tensor weight;  // [out_features, in_features]
   std::optional<at::Tensor> packed, bias;
@@ -76,6 +60,7 @@ struct FusedMatmul {
   std::string quantized;  // "", "groups" (quant_matmul) or "torch_int4"
   at::Tensor codes, scales;  // groups: codes and scales; torch_int4: packed codes and scales_and_zeros
   int64_t bits = 0, max_tokens = 0, plain_from = std::numeric_limits<int64_t>::max();
+  int64_t split_from = std::numeric_limits<int64_t>::max();
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (quantized_at(x.size(0))) {
@@ -86,6 +71,7 @@ struct FusedMatmul {
       return bias ? out + *bias : out;
     }
     if (dense) return dense_matmul(x, weight, bias);
+    if (packed && x.size(0) >= split_from) return packed_linear_by_rows(x, *packed, bias, weight.size(0));
     if (packed && x.size(0) < plain_from) return packed_linear(x, *packed, bias);
     return at::linear(x, weight, bias);
   }
@@ -445,6 +431,7 @@ void register_fused_decoder(pybind11::module& m) {
       .def_readwrite("bias", &FusedMatmul::bias)
       .def_readwrite("dense", &FusedMatmul::dense)
       .def_readwrite("plain_from", &FusedMatmul::plain_from)
+      .def_readwrite("split_from", &FusedMatmul::split_from)
       .def_readwrite("quantized", &FusedMatmul::quantized)
       .def_readwrite("codes", &FusedMatmul::codes)
       .def_readwrite("scales", &FusedMatmul::scales)

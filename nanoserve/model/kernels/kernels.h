@@ -69,6 +69,11 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 // raises where they fit neither layout
 bool quant_scales_have_lows(int64_t scale_count, int64_t k, int64_t n, int64_t bits);
 torch::Tensor dense_matmul(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
+// oneDNN's matmul over a weight packed by torch.ops.mkldnn._reorder_linear_weight; _by_rows: each thread its
+// own share of the rows, on one thread (packed_linear.cpp)
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+at::Tensor packed_linear_by_rows(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                                 int64_t out_features);
 
 // quant_matmul's layout (quant_matmul.cpp): groups of 32 inputs, tiles of 16 output columns.
 namespace quant_isa {

@@ -155,29 +155,38 @@ class CausalLM(nn.Module):
 
     # -- after loading ------------------------------------------------------------------------
 
-    def prepack_for_cpu(self, matmul_choice: str = "fixed") -> None:
+    def prepack_for_cpu(self, matmul_choice: str = "fixed", kernels: ModuleType | None = None) -> None:
         """Pack every matmul weight for oneDNN (CPU, bf16); the weights stay for everything else. Each
-        shape's layout: measured with matmul_choice "auto", else batch 1's (nanoserve.model.pack_choice)."""
-        layouts, head_layout = self._layouts(matmul_choice)
+        shape's layout: measured with matmul_choice "auto", else batch 1's (nanoserve.model.pack_choice);
+        with the C++ kernels, "auto" also measures which steps run the packed weight by rows."""
+        layouts, head_layout = self._layouts(matmul_choice, kernels)
         for module, layout in layouts.items():
             module.prepack(layout["batch_hint"])
-            module.plain_from = layout["plain_from"]
+            self._choose_large_steps(module, layout, kernels)
         if head_layout is not None:
             self.packed_embed = pack_weight(self.embed_tokens.weight, head_layout["batch_hint"])
 
-    def repack_for_quantized_steps(self) -> None:
+    def repack_for_quantized_steps(self, kernels: ModuleType | None = None) -> None:
         """Once the quantized copies have their limits, lay each shape's packed weights out (measured, as
         matmul_choice "auto") for the steps those leave to them, packing again only where that changes."""
         self.fused_decoder = None  # it holds the packed weights: use_cpu_kernels builds it again
-        layouts, _ = self._layouts("auto")
+        layouts, _ = self._layouts("auto", kernels)
         for module, layout in layouts.items():
             if module.batch_hint != layout["batch_hint"]:
                 module.prepack(layout["batch_hint"])
-            module.plain_from = layout["plain_from"]
+            self._choose_large_steps(module, layout, kernels)
 
-    def _layouts(self, matmul_choice: str) -> tuple[dict[Linear, dict], dict | None]:
-        """Each Linear's layout ({"batch_hint", "plain_from"}, its shape timed at the steps its quantized
-        copies leave to it), and the tied lm_head's (None: untied)."""
+    @staticmethod
+    def _choose_large_steps(module: Linear, layout: dict, kernels: ModuleType | None) -> None:
+        """From which step size `module` multiplies the plain weight, and from which the packed one by rows."""
+        module.plain_from, module.split_from = layout["plain_from"], layout["split_from"]
+        module.by_rows = kernels.packed_linear_by_rows if kernels is not None else None
+
+    def _layouts(
+        self, matmul_choice: str, kernels: ModuleType | None
+    ) -> tuple[dict[Linear, dict], dict | None]:
+        """Each Linear's layout ({"batch_hint", "plain_from", "split_from"}, its shape timed at the steps
+        its quantized copies leave to it), and the tied lm_head's (None: untied)."""
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         by_shape: dict[tuple[int, int], list[Tensor]] = {}
         served_from: dict[tuple[int, int], int] = {}
@@ -192,9 +201,10 @@ class CausalLM(nn.Module):
             by_shape.setdefault(embed_shape, []).append(embed)
         # the tied lm_head's steps are the sampled rows: never prefill-sized
         head = frozenset() if self.lm_head is not None else frozenset({embed_shape})
-        fixed = {"batch_hint": 1, "plain_from": sys.maxsize}
+        fixed = {"batch_hint": 1, "plain_from": sys.maxsize, "split_from": sys.maxsize}
+        by_rows = kernels.packed_linear_by_rows if kernels is not None else None
         layouts = (
-            choose_layouts(by_shape, head, served_from)
+            choose_layouts(by_shape, head, served_from, by_rows)
             if matmul_choice == "auto"
             else dict.fromkeys(by_shape, fixed)
         )

@@ -48,6 +48,8 @@ def fused_matmul(kernels: ModuleType, linear: Linear) -> Any:
     matmul = kernels.FusedMatmul()
     matmul.weight, matmul.packed, matmul.bias = linear.weight, linear.packed, linear.bias
     matmul.dense, matmul.plain_from = linear.dense is not None, linear.plain_from
+    if linear.by_rows is not None:
+        matmul.split_from = linear.split_from
     quantized = linear.quantized
     if isinstance(quantized, GroupQuantWeight):
         matmul.quantized, matmul.codes, matmul.scales = "groups", quantized.codes, quantized.scales

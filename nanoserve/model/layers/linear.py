@@ -14,6 +14,8 @@ from nanoserve.model.quant import QuantizedWeight
 
 DenseMatmul = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 """The C++ dense_matmul(x, weight, bias) of float32 steps (nanoserve/model/kernels/dense_matmul.cpp)."""
+RowsMatmul = Callable[[Tensor, Tensor, Tensor | None, int], Tensor]
+"""The C++ packed_linear_by_rows(x, packed, bias, out_features) (nanoserve/model/kernels/packed_linear.cpp)."""
 
 
 def cpu_prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -52,6 +54,11 @@ class Linear(nn.Linear):
     plain_from: int = sys.maxsize
     """Steps of at least this many rows multiply the plain weight, which oneDNN lays out for their size on
     every call: for compute-bound prefill steps that can beat the packed layout (nanoserve.model.pack_choice)."""
+    split_from: int = sys.maxsize
+    """Steps of at least this many rows run the packed weight by rows (`by_rows`): each thread multiplies
+    its own share of the rows on oneDNN alone, which for a small model's prefill steps can beat oneDNN's own
+    split of the call (nanoserve.model.pack_choice)."""
+    by_rows: RowsMatmul | None = None
     quantized: QuantizedWeight | None = None
     """Used for steps of up to quantized.max_tokens rows (see nanoserve.model.quant)."""
 
@@ -79,6 +86,8 @@ class Linear(nn.Linear):
         bias = self.bias if with_bias else None
         if self.dense is not None:
             return self.dense(input, self.weight, bias)
+        if self.packed is not None and self.by_rows is not None and input.shape[0] >= self.split_from:
+            return self.by_rows(input, self.packed, bias, self.out_features)
         if self.packed is not None and input.shape[0] < self.plain_from:
             return packed_linear(input, self.packed, bias)
         return F.linear(input, self.weight, bias)
