@@ -52,11 +52,14 @@ CASES = {
     "few-tasks": (4, 1, [1000, 20]),
     # batch 1 of SmolLM2's heads: 3 tasks on 2 threads, a short context split in two
     "one-sequence": (9, 3, [96]),
+    # 7 query heads a KV head (Qwen2.5-0.5B): on AVX-512 their V sums in two groups, of 4 heads and of 3
+    "wide-groups": (14, 2, [33, 200]),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("head_dim", [64, 128, 24])
+# 80: V sums in a pass of 64 columns and one of 16, q.k without bf16 pairs; 96: passes of 64 and 32
+@pytest.mark.parametrize("head_dim", [64, 128, 24, 80, 96])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_matches_reference(kernels, two_threads, head_dim, dtype, case):
     torch.manual_seed(head_dim)

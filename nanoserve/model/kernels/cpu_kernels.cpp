@@ -1,11 +1,11 @@
 // CPU kernels for the steps where PyTorch's eager ops cost more in dispatch and copies than in work.
 //
 // paged_decode_attention: one query token per sequence, grouped-query heads, straight from the paged KV
-// cache (q.k products in bf16 pairs with AVX512-BF16 where the head size is 64, else 8 keys at a time on
-// AVX2). Each (sequence, KV head) pair is one task that walks the context 64 positions at a time: its
-// query heads' scores for those positions, block by block, then a running softmax over all 64 (max and
-// total rescaled when the max grows), then the weighted sum of their V rows. Each cached K and V row is
-// read once, in place. With fewer tasks than threads can share (3 KV heads on 2 threads at batch 1),
+// cache (q.k products in bf16 pairs with AVX512-BF16 where the head size is a multiple of 32, else 8 keys at
+// a time on AVX2). Each (sequence, KV head) pair is one task that walks the context 64 positions at a time:
+// its query heads' scores for those positions, block by block, then a running softmax over all 64 (max and
+// total rescaled when the max grows), then the weighted sum of their V rows (on AVX-512, each V row widened
+// once for up to 4 query heads). Each cached K and V row is read once, in place. With fewer tasks than threads can share (3 KV heads on 2 threads at batch 1),
 // contexts of 64 tokens and more are split into parts whose results are merged, so that no thread waits
 // for another's second task. A sliding window starts the walk at the window's first position (blocks
 // before it may be freed); soft-capping maps each score to cap * tanh(score / cap) (Gemma 2).
@@ -102,6 +102,30 @@ inline void add_weighted_rows_avx2(const float* p, const float* v, int64_t n, fl
 }
 #endif
 
+#if defined(__AVX512F__)
+// acc[h * D + d] += the sum over t < n of p[h * stride + t] * v[t * D + d] for G query heads, columns FIRST to
+// FIRST + 64 (then the next 64): each V row is widened to float32 once for all G heads, whose sums stay in
+// registers across the block
+template <typename T, int D, int G, int FIRST = 0>
+inline void add_weighted_heads_avx512(const float* p, int64_t stride, const T* v, int64_t n, float* acc) {
+  constexpr int REGS = std::min(64, D - FIRST) / 16;
+  __m512 sum[G][REGS];
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < REGS; ++j) sum[h][j] = _mm512_loadu_ps(acc + h * D + FIRST + 16 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 row[REGS];
+    for (int j = 0; j < REGS; ++j) row[j] = load16f(v + t * D + FIRST + 16 * j);
+    for (int h = 0; h < G; ++h) {
+      const __m512 weight = _mm512_set1_ps(p[h * stride + t]);
+      for (int j = 0; j < REGS; ++j) sum[h][j] = _mm512_fmadd_ps(weight, row[j], sum[h][j]);
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < REGS; ++j) _mm512_storeu_ps(acc + h * D + FIRST + 16 * j, sum[h][j]);
+  if constexpr (FIRST + 64 < D) add_weighted_heads_avx512<T, D, G, FIRST + 64>(p, stride, v, n, acc);
+}
+#endif
+
 // acc[d] += the sum over t < n of p[t] * v[t * D + d], for one query head and the n V rows of a block
 template <int FIXED_D>
 inline void add_weighted_rows(const float* p, const float* v, int64_t n, int64_t D, float* acc) {
@@ -129,19 +153,19 @@ template <typename T, int FIXED_D>
 inline void score_rows(const T* k, int64_t n, int64_t D, int64_t per_kv, const T* q, const float* query,
                        float scale, float* row, float* scores, int64_t stride) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16> && FIXED_D == 64) {  // bf16 pairs straight from the cache
-    for (int64_t first = 0; first < n; first += 16, k += 16 * 64) {  // 16 keys' dot products, then their sums
+  if constexpr (std::is_same_v<T, at::BFloat16> && FIXED_D > 0 && FIXED_D % 32 == 0) {  // bf16 pairs from the cache
+    constexpr int PAIRS = FIXED_D / 32;  // registers of 32 bf16 a row
+    for (int64_t first = 0; first < n; first += 16, k += 16 * FIXED_D) {  // 16 keys' dot products, then their sums
       const int64_t keys = std::min<int64_t>(16, n - first);
       for (int64_t h = 0; h < per_kv; ++h) {
-        const __m512bh q_low = (__m512bh)_mm512_loadu_si512(q + h * 64);
-        const __m512bh q_high = (__m512bh)_mm512_loadu_si512(q + h * 64 + 32);
+        __m512bh q_pairs[PAIRS];
+        for (int i = 0; i < PAIRS; ++i) q_pairs[i] = (__m512bh)_mm512_loadu_si512(q + h * FIXED_D + 32 * i);
         __m512 dots[16];
         for (int64_t t = 0; t < 16; ++t) {
           dots[t] = _mm512_setzero_ps();
           if (t >= keys) continue;  // rows past the block's end are never read
-          const __m512bh low = (__m512bh)_mm512_loadu_si512(k + t * 64);
-          const __m512bh high = (__m512bh)_mm512_loadu_si512(k + t * 64 + 32);
-          dots[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(dots[t], q_low, low), q_high, high);
+          for (int i = 0; i < PAIRS; ++i)
+            dots[t] = _mm512_dpbf16_ps(dots[t], q_pairs[i], (__m512bh)_mm512_loadu_si512(k + t * FIXED_D + 32 * i));
         }
         const __m512 sums = _mm512_mul_ps(sum_each16(dots), _mm512_set1_ps(scale));
         _mm512_mask_storeu_ps(scores + h * stride + first, static_cast<__mmask16>((1u << keys) - 1), sums);
@@ -290,6 +314,20 @@ void decode_attention_for_head_dim(const T* q, const T* kv, const int32_t* block
         }
         for_each_run(chunk_start, chunk_stop, [&](int64_t slot, int64_t offset, int64_t n) {
           const T* v = v_head + slot * D;
+#if defined(__AVX512F__)
+          if constexpr (FIXED_D > 0 && FIXED_D % 16 == 0) {
+            for (int64_t h = 0; h < per_kv; h += 4) {  // up to 4 heads' sums in registers at once
+              const float* p = scores.data() + h * stride + offset;
+              switch (std::min<int64_t>(4, per_kv - h)) {
+                case 1: add_weighted_heads_avx512<T, FIXED_D, 1>(p, stride, v, n, acc + h * D); break;
+                case 2: add_weighted_heads_avx512<T, FIXED_D, 2>(p, stride, v, n, acc + h * D); break;
+                case 3: add_weighted_heads_avx512<T, FIXED_D, 3>(p, stride, v, n, acc + h * D); break;
+                default: add_weighted_heads_avx512<T, FIXED_D, 4>(p, stride, v, n, acc + h * D);
+              }
+            }
+            return;
+          }
+#endif
           const float* v_rows = rows.data();
           if constexpr (std::is_same_v<T, float>)
             v_rows = v;  // read in place

@@ -29,6 +29,15 @@ inline __m256 load8(const at::BFloat16* p) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// 16 values as float32 lanes
+inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16f(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
 // The head sizes the attention kernels compile as constants (others take their generic path).
 #define NANOSERVE_FOR_EACH_HEAD_DIM(CASE) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(256)
 

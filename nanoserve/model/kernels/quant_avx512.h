@@ -90,17 +90,11 @@ void tile_rows(const Activations& x, const float* x_scales, const float* x_sums,
   for (int r = 0; r < ROWS; ++r) store(out + r * n + tile * TILE, acc[r]);
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {  // bf16 is the high half of a float32
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 // One group of 32 activations to int8 (scale = max |x| / 127), with its scale and the sum of its quantized
 // values (times the scale): two vectors a group.
 template <typename T>
 inline void quantize_group(const T* x, int8_t* xq, float* scale, float* sum) {
-  const __m512 low = load16(x), high = load16(x + 16);
+  const __m512 low = load16f(x), high = load16f(x + 16);
   const float max_abs = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
   *scale = std::max(max_abs / 127.f, 1e-30f);
   const __m512 inverse = _mm512_set1_ps(1.f / *scale);
