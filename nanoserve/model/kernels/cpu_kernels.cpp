@@ -5,10 +5,11 @@
 // a time on AVX2). Each (sequence, KV head) pair is one task that walks the context 64 positions at a time:
 // its query heads' scores for those positions, block by block, then a running softmax over all 64 (max and
 // total rescaled when the max grows), then the weighted sum of their V rows (on AVX-512, each V row widened
-// once for up to 4 query heads). Each cached K and V row is read once, in place. With fewer tasks than threads can share (3 KV heads on 2 threads at batch 1),
-// contexts of 64 tokens and more are split into parts whose results are merged, so that no thread waits
-// for another's second task. A sliding window starts the walk at the window's first position (blocks
-// before it may be freed); soft-capping maps each score to cap * tanh(score / cap) (Gemma 2).
+// once for up to 4 query heads). Each cached K and V row is read once, in place. With fewer tasks than
+// threads can share (3 KV heads on 2 threads at batch 1), contexts of 64 tokens and more are split into
+// parts whose results are merged, so that no thread waits for another's second task. A sliding window
+// starts the walk at the window's first position (blocks before it may be freed); soft-capping maps each
+// score to cap * tanh(score / cap) (Gemma 2).
 //
 // rms_norm: one pass per row in float32, where PyTorch's CPU rms_norm is a chain of eight ops.
 //

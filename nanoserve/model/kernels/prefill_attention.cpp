@@ -231,17 +231,18 @@ inline void weigh_values(float* acc, const uint16_t* probs, const uint32_t* valu
   if (n > 3) _tile_stored(3, out + 48, D * 4);
 }
 
-// 2^t to 7.6e-5 relative error: a cubic for 2^f on [0, 1) (fitted to the relative error), scaled by
-// 2^floor(t) in one instruction; t below -126 counts as -126 (2^-126: nothing beside 1). The probabilities
-// it gives are rounded to bf16 (up to 3.9e-3) for the weighted sum, so Cephes' degree-6 e^x, which the
-// softmax first used, spent 6 of its 13 instructions on digits that rounding drops.
+// 2^t to 8.6e-5 relative error, exact at whole t: 1 + a cubic for 2^f - 1 on [0, 1) (fitted to the
+// relative error), scaled by 2^floor(t) in one instruction; t below -126 counts as -126 (2^-126: nothing
+// beside 1). The probabilities it gives are rounded to bf16 (up to 3.9e-3) for the weighted sum, so
+// Cephes' degree-6 e^x, which the softmax first used, spent 6 of its 13 instructions on digits that
+// rounding drops.
 inline __m512 pow2_for_bf16(__m512 t) {
   t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.07802805f), f, _mm512_set1_ps(0.22607069f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69582748f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99992621f));
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.07706708f), f, _mm512_set1_ps(0.22764765f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69511485f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -315,7 +316,7 @@ void softmax_block(float* scores, uint16_t* probs, float* acc, int64_t chunks, i
   const __mmask16 grew = _mm512_cmp_ps_mask(new_max, max_score, _CMP_GT_OQ);
   if (rescale && grew) {
     const __m512 shrink = pow2_for_bf16(_mm512_mul_ps(_mm512_sub_ps(max_score, new_max), _mm512_set1_ps(LOG2E)));
-    total = _mm512_mul_ps(total, shrink);
+    total = _mm512_mask_mul_ps(total, grew, total, shrink);
     alignas(64) float factor[TILE_ROWS];
     _mm512_store_ps(factor, shrink);
     for (int64_t r = 0; r < TILE_ROWS; ++r)
