@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= The capital of France is
 
-.PHONY: setup serve run test test-web install-chromium install-jemalloc lint bench bench-ipc bench-peers bench-serve-peers clean
+.PHONY: setup serve run test test-cpus test-web install-chromium install-jemalloc lint bench bench-ipc bench-peers bench-serve-peers clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,11 @@ test: $(STAMP)
 	$(BIN)/ruff check nanoserve tests
 	$(BIN)/ty check nanoserve
 	$(BIN)/pytest $(PYTEST_FLAGS) tests -m "not browser"
+
+# The kernel tests again under each older x86 CPU this one can stand in for (tests/other_cpus.py):
+# minutes per stand-in, most of it building the kernels for that CPU.
+test-cpus: $(STAMP)
+	$(BIN)/python -m tests.other_cpus $(PYTEST_FLAGS)
 
 # Engine-core processes preload jemalloc where it is installed (nanoserve/engine/core_client/allocator.py);
 # without root or apt the engine keeps the C library's malloc, so a failure here only says so.

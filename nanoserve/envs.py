@@ -17,6 +17,7 @@ MSGPACK_ZERO_COPY_THRESHOLD = "NANOSERVE_MSGPACK_ZERO_COPY_THRESHOLD"
 LOGGING_LEVEL = "NANOSERVE_LOGGING_LEVEL"
 TORCH_PROFILER_DIR = "NANOSERVE_TORCH_PROFILER_DIR"
 KERNEL_DIR = "NANOSERVE_KERNEL_DIR"
+KERNEL_ARCH = "NANOSERVE_KERNEL_ARCH"
 API_KEY = "NANOSERVE_API_KEY"
 
 PREFIX = "NANOSERVE_"
@@ -62,6 +63,12 @@ def torch_profiler_dir() -> str:
 def kernel_dir() -> Path:
     """The build cache of the C++ CPU kernels."""
     return Path(os.environ.get(KERNEL_DIR) or Path.home() / ".cache" / "nanoserve" / "kernels")
+
+
+def kernel_arch() -> str:
+    """The GCC -march the C++ CPU kernels are built for: native (this CPU), or an older target that this
+    CPU also runs, so that one machine can test the code paths of another (tests/other_cpus.py)."""
+    return os.environ.get(KERNEL_ARCH) or "native"
 
 
 def api_key() -> str | None:

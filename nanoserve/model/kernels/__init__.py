@@ -39,7 +39,7 @@ HEADERS = [
     Path(__file__).with_name(name)
     for name in ("kernels.h", "vec16.h", "work_split.h", "quant_avx2.h", "quant_avx512.h")
 ]
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+FLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 """-ffast-math lets the compiler vectorize the float reductions (sums in any order)."""
 
 
@@ -70,8 +70,9 @@ def cpu_identity() -> str:
 
 
 def build_flags() -> list[str]:
-    """FLAGS, and the vector width for the loops the compiler vectorizes itself (norms, residual adds,
-    rotary, activations), where GCC's tuning for the CPU picks one that runs them slower:
+    """FLAGS, the target (-march=native unless NANOSERVE_KERNEL_ARCH names another), and the vector width
+    for the loops the compiler vectorizes itself (norms, residual adds, rotary, activations), where GCC's
+    tuning for the CPU picks one that runs them slower:
     - 512 bits on Intel CPUs with AVX-512, where -march=native tunes for 256. On a two-core Xeon with AMX,
       silu_and_mul over 512 rows of 1536 columns took 203-210 us instead of 277-279, add_rms_norm over
       512 rows 51 us instead of 67.
@@ -81,12 +82,13 @@ def build_flags() -> list[str]:
       a step where they took 0.52; silu_and_mul over 1536 columns 3.1-3.4 us instead of 4.4-4.9."""
     fields = cpu_fields()
     vendor, flags = fields.get("vendor_id"), fields.get("flags", "").split()
+    target = [*FLAGS, f"-march={envs.kernel_arch()}"]
     if vendor == "GenuineIntel" and "avx512f" in flags:
-        return [*FLAGS, "-mprefer-vector-width=512"]
+        return [*target, "-mprefer-vector-width=512"]
     zen1 = (
         vendor == "AuthenticAMD" and fields.get("cpu family") == "23" and int(fields.get("model", "0")) < 0x30
     )
-    return [*FLAGS, "-mprefer-vector-width=256"] if zen1 else FLAGS
+    return [*target, "-mprefer-vector-width=256"] if zen1 else target
 
 
 def library_name(cpu: str) -> str:
