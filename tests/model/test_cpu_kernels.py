@@ -118,6 +118,19 @@ def test_builds_are_kept_apart_per_cpu():
     assert library_name(here) != library_name("x86_64 Another CPU fpu sse2 avx2")
 
 
+def test_a_named_target_builds_apart_from_native(monkeypatch):
+    """NANOSERVE_KERNEL_ARCH (tests/other_cpus.py) compiles for that target, into a build of its own."""
+    from nanoserve import envs
+    from nanoserve.model.kernels import build_flags, cpu_identity, library_name
+
+    monkeypatch.delenv(envs.KERNEL_ARCH, raising=False)
+    assert "-march=native" in build_flags()
+    native = library_name(cpu_identity())
+    monkeypatch.setenv(envs.KERNEL_ARCH, "x86-64-v3")
+    assert "-march=x86-64-v3" in build_flags() and "-march=native" not in build_flags()
+    assert library_name(cpu_identity()) != native
+
+
 def _prefill_reference(q, kv_cache, block_table, query_lens, seq_lens, scale, window, softcap):
     """Each sequence's queries sit at the last query_len positions of its context."""
     num_heads, head_dim = q.shape[1:]

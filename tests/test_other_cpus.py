@@ -1,0 +1,21 @@
+"""Which stand-ins `make test-cpus` runs on which CPU (tests/other_cpus.py)."""
+
+from __future__ import annotations
+
+from tests.other_cpus import AVX512, STAND_INS, applicable
+
+AVX2 = {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}
+ZEN3 = AVX2
+ZEN4 = AVX2 | AVX512 | {"avx512_vnni", "avx512_bf16"}
+AMX_XEON = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
+
+
+def run_on(flags: set[str]) -> list[str]:
+    return [stand_in.arch for stand_in in STAND_INS if applicable(stand_in, flags)]
+
+
+def test_each_cpu_stands_in_for_the_older_ones_it_runs_the_code_of():
+    assert run_on(ZEN3) == []  # its own run is the AVX2 one
+    assert run_on(ZEN4) == ["x86-64-v3", "cascadelake"]
+    assert run_on(AMX_XEON) == ["x86-64-v3", "cascadelake", "cooperlake"]
+    assert run_on(AVX512 | AVX2 | {"avx512_vnni"}) == ["x86-64-v3"]  # Cascade Lake: no bf16 to drop
