@@ -8,8 +8,8 @@ ATen (ATEN_CPU_CAPABILITY) at the same instructions, then runs the tests of the 
 
     python -m tests.other_cpus [pytest options]
 
-`make test` runs it after the suite. A stand-in runs only where this CPU has every instruction set it
-needs and one that it lacks (otherwise this CPU's own run has tested those paths already).
+`make test-cpus` runs it (CI does, after `make test`). A stand-in runs only where this CPU has every
+instruction set it needs and one that it lacks (otherwise this CPU's own run has tested those paths).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ stand-in without native bf16, so they are left to each CPU's own run."""
 BUILD = "import sys; from nanoserve.model.kernels import cpu_kernels; sys.exit(cpu_kernels() is None)"
 """Built ahead (minutes), outside the tests' time limits; a failed build fails the stand-in."""
 TIMEOUT_S = 1800
-"""For the build, and for the tests: each takes 2-4 minutes on 2 busy cores."""
+"""For the build, and for the tests: each takes one or two minutes on 2 cores."""
 
 
 @dataclass(frozen=True)
