@@ -232,6 +232,19 @@ def test_lru_eviction_of_cached_free_blocks():
     assert kv.get_computed_blocks(make_request("b3", list(range(200, 204)) + [2])) == 4
 
 
+def test_a_prompt_reusing_freed_blocks_gets_them_in_ascending_order():
+    """Freed tail first, an earlier request's cached blocks would come back last to first; the decode
+    attention kernel reads a sequence's blocks faster laid out forward."""
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    a = make_request("a", list(range(100, 116)))
+    admit(kv, a)
+    assert kv.block_ids("a") == [0, 1, 2, 3]
+    kv.free(a)
+    b = make_request("b", list(range(200, 232)))
+    admit(kv, b)
+    assert kv.block_ids("b") == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
 def test_reset_prefix_cache():
     kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
     a = make_request("a", list(range(9)))
