@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nanoserve.model.loader import native_bf16
 from tests.other_cpus import AVX512, STAND_INS, applicable
 
 AVX2 = {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}
@@ -19,3 +20,10 @@ def test_each_cpu_stands_in_for_the_older_ones_it_runs_the_code_of():
     assert run_on(ZEN4) == ["x86-64-v3", "cascadelake"]
     assert run_on(AMX_XEON) == ["x86-64-v3", "cascadelake", "cooperlake"]
     assert run_on(AVX512 | AVX2 | {"avx512_vnni"}) == ["x86-64-v3"]  # Cascade Lake: no bf16 to drop
+
+
+def test_each_stand_in_gets_the_dtype_auto_of_the_cpus_it_stands_for():
+    """Under a stand-in's oneDNN cap the engine's dtype auto is that CPU's: float32 without native bf16."""
+    flags = " ".join(sorted(AMX_XEON))
+    native = {s.arch: native_bf16(flags, s.aten_capability.upper(), s.onednn_isa) for s in STAND_INS}
+    assert native == {"x86-64-v3": False, "cascadelake": False, "cooperlake": True}

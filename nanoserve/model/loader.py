@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -98,16 +99,29 @@ def load_model(
     return model
 
 
+ONEDNN_ISAS_WITHOUT_BF16 = frozenset(
+    {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+)
+"""ONEDNN_MAX_CPU_ISA values that keep oneDNN below the bf16 dot-product instructions, where it runs
+bf16 matmuls without them."""
+
+
+def native_bf16(cpu_flags: str, aten_capability: str, onednn_max_isa: str | None) -> bool:
+    """Whether bf16 matmuls run on native instructions: the CPU has AVX512-BF16 or AMX (its
+    /proc/cpuinfo flags, or ATen's capability where those are missing) and ONEDNN_MAX_CPU_ISA, where
+    set, lets oneDNN use them. A cap below them (set by a user, or by tests/other_cpus.py standing in for
+    an older CPU) gets float32, as that CPU would."""
+    if onednn_max_isa is not None and onednn_max_isa.strip().upper() in ONEDNN_ISAS_WITHOUT_BF16:
+        return False
+    return "avx512_bf16" in cpu_flags or "amx_bf16" in cpu_flags or aten_capability == "AVX512_AMX"
+
+
 def _cpu_has_native_bf16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         flags = ""
-    return (
-        "avx512_bf16" in flags
-        or "amx_bf16" in flags
-        or torch.backends.cpu.get_cpu_capability() == "AVX512_AMX"
-    )
+    return native_bf16(flags, torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -12,7 +12,7 @@ import torch
 
 from nanoserve.model.attention import allocate_kv_cache, build_attention_metadata
 from nanoserve.model.layers.rotary import rope_inv_freq
-from nanoserve.model.loader import load_model, load_model_config, resolve_dtype
+from nanoserve.model.loader import load_model, load_model_config, native_bf16, resolve_dtype
 from nanoserve.model.models import llama, qwen2
 from nanoserve.model_files import load_tokenizer, resolve_model_path
 
@@ -152,6 +152,24 @@ def test_resolve_dtype():
     assert resolve_dtype("auto", CPU) in (torch.bfloat16, torch.float32)
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int8", CPU)
+
+
+@pytest.mark.parametrize(
+    ("flags", "capability", "onednn_cap", "native"),
+    [
+        ("fpu avx2 avx512f avx512_bf16", "AVX512", None, True),
+        ("fpu avx2 amx_bf16 amx_tile", "AVX512_AMX", None, True),
+        ("fpu avx2 avx512f avx512_vnni", "AVX512", None, False),
+        ("fpu avx2 fma", "AVX2", None, False),
+        ("", "AVX512_AMX", None, True),
+        ("fpu avx2 avx512f avx512_bf16 amx_bf16", "AVX2", "AVX2", False),
+        ("fpu avx2 avx512f avx512_bf16 amx_bf16", "AVX512", "avx512_core_vnni", False),
+        ("fpu avx2 avx512f avx512_bf16 amx_bf16", "AVX512", "AVX512_CORE_BF16", True),
+        ("fpu avx2 avx512f avx512_bf16 amx_bf16", "AVX512_AMX", "ALL", True),
+    ],
+)
+def test_native_bf16_follows_the_cpu_and_onednn_cap(flags, capability, onednn_cap, native):
+    assert native_bf16(flags, capability, onednn_cap) is native
 
 
 def test_config_from_hf_variants():
