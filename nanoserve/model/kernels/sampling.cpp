@@ -3,11 +3,12 @@
 // path (the same draws up to the order of tied logits and rounding).
 //
 // A row costs a few passes over the vocabulary, all in cache: its maximum, each token's mass
-// exp((x - max) / T) and their total, then the index-ordered walk to the uniform's target (no truncation)
-// or the tokens with at least a factor of the maximum's mass (truncation), which are ordered as far as
-// the kept prefix reaches and cut by top-k, top-p and min-p. The cut is exact: a token left out has less
-// mass than every collected one, so it could only be kept if the collected ones do not end the prefix;
-// then the factor is widened, and the last one collects every token. Temperature 0 is the argmax.
+// exp((x - max) / T) and their total, then the index-ordered walk to the uniform's target (no truncation).
+// Under top-k, the k tokens of largest mass, ordered and cut by top-p and min-p. Otherwise the tokens with
+// at least a factor of the maximum's mass, ordered as far as the kept prefix reaches and cut by top-p and
+// min-p. That cut is exact: a token left out has less mass than every collected one, so it could only be
+// kept if the collected ones do not end the prefix; then the factor is widened, and the last one collects
+// every token. Temperature 0 is the argmax.
 #include "kernels.h"
 #include "vec16.h"
 
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -38,8 +40,6 @@ inline vec16 load16(const float* x) {
   std::memcpy(&v, x, sizeof(v));
   return v;
 }
-
-inline vec16 max_lanes(vec16 a, vec16 b) { return a > b ? a : b; }
 
 // Four running maxima of 16 lanes each: a single one would wait on its own previous result every step, and
 // the compiler does not split a max reduction by itself (it ran at a float per cycle). They are named
@@ -103,11 +103,67 @@ bool comes_after(const Candidate& a, const Candidate& b) {
   return a.first < b.first || (a.first == b.first && a.second > b.second);
 }
 
-// The truncated draw. The candidates are a heap, so only the tokens up to the kept prefix's end are
-// ordered (a flat row collects thousands and keeps hundreds); ordered holds them, largest first.
-int64_t draw_truncated(const float* e, int64_t vocab, double total, const RowRule& rule,
-                       std::vector<Candidate>& candidates, std::vector<Candidate>& ordered) {
-  const bool limited = rule.top_k < vocab;
+// The token at the uniform's target among the first `kept` of ordered (largest mass first), target being
+// the uniform times their mass; where rounding reaches no token, the last kept one.
+int64_t pick(const std::vector<Candidate>& ordered, size_t kept, double target) {
+  double running = 0.0;
+  for (size_t j = 0; j < kept; ++j) {
+    running += ordered[j].first;
+    if (running > target) return ordered[j].second;
+  }
+  return ordered[kept - 1].second;
+}
+
+// The k tokens of largest mass, largest first (the lowest token among equal masses), into ordered. The
+// k-th largest of the 64-token blocks' maxima is a floor: k blocks reach it, so the k-th largest mass does
+// too, and only tokens at or above it are collected and ordered, typically from about k blocks. (Collecting
+// by a factor of the maximum, as top-p does, would order the whole vocabulary of a row whose mass sits
+// on fewer than k tokens.)
+void top_k_tokens(const float* e, int64_t vocab, int64_t k, std::vector<Candidate>& candidates,
+                  std::vector<Candidate>& ordered) {
+  thread_local std::vector<float> block_max, kth;
+  const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
+  block_max.resize(blocks);
+  for (int64_t b = 0; b < blocks; ++b) block_max[b] = row_max(e + b * BLOCK, std::min(BLOCK, vocab - b * BLOCK));
+  float floor = -std::numeric_limits<float>::infinity();
+  if (k <= blocks) {
+    kth.assign(block_max.begin(), block_max.end());
+    std::nth_element(kth.begin(), kth.begin() + (k - 1), kth.end(), std::greater<float>());
+    floor = kth[k - 1];
+  }
+  candidates.clear();
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (block_max[b] < floor) continue;
+    for (int64_t i = b * BLOCK; i < std::min(vocab, (b + 1) * BLOCK); ++i) {
+      if (e[i] >= floor) candidates.emplace_back(e[i], i);
+    }
+  }
+  const auto better = [](const Candidate& a, const Candidate& b) { return comes_after(b, a); };
+  std::partial_sort(candidates.begin(), candidates.begin() + k, candidates.end(), better);
+  ordered.assign(candidates.begin(), candidates.begin() + k);
+}
+
+// The truncated draw under top-k: top-p against the top-k mass, then min-p against the maximum's mass, 1.
+int64_t draw_top_k(const float* e, int64_t vocab, const RowRule& rule, std::vector<Candidate>& heap,
+                   std::vector<Candidate>& ordered) {
+  top_k_tokens(e, vocab, rule.top_k, heap, ordered);
+  double top_mass = 0.0;
+  for (const Candidate& candidate : ordered) top_mass += candidate.first;
+  const double p_limit = rule.top_p * top_mass;
+  double cumulative = 0.0;
+  size_t kept = 0;
+  for (; kept < ordered.size(); ++kept) {
+    const float mass = ordered[kept].first;
+    if (kept > 0 && (cumulative >= p_limit || mass < rule.min_p)) break;
+    cumulative += mass;
+  }
+  return pick(ordered, kept, rule.uniform * cumulative);
+}
+
+// The truncated draw without top-k. The candidates are a heap, so only the tokens up to the kept prefix's
+// end are ordered (a flat row collects thousands and keeps hundreds); ordered holds them, largest first.
+int64_t draw_top_p(const float* e, int64_t vocab, double total, const RowRule& rule,
+                   std::vector<Candidate>& candidates, std::vector<Candidate>& ordered) {
   for (float factor : COLLECT_FACTORS) {
     const bool everything = factor == 0.f;
     candidates.clear();
@@ -118,32 +174,19 @@ int64_t draw_truncated(const float* e, int64_t vocab, double total, const RowRul
         if (e[i] >= factor) candidates.emplace_back(e[i], i);
       }
     }
-    if (limited && static_cast<int64_t>(candidates.size()) < rule.top_k && !everything) continue;
     std::make_heap(candidates.begin(), candidates.end(), comes_after);
     auto heap_end = candidates.end();
-    auto pop = [&] {
-      std::pop_heap(candidates.begin(), heap_end, comes_after);
-      ordered.push_back(*--heap_end);
-    };
     ordered.clear();
-    // top-p is measured against the top-k mass, or everything's when top-k is off
-    double top_mass = total;
-    if (limited) {
-      top_mass = 0.0;
-      while (static_cast<int64_t>(ordered.size()) < rule.top_k) {
-        pop();
-        top_mass += ordered.back().first;
-      }
-    }
-    const double p_limit = rule.top_p * top_mass;
-    // the kept prefix: top-k, then top-p, then min-p against the maximum's mass, 1
+    // the kept prefix: top-p against everything's mass, then min-p against the maximum's mass, 1
+    const double p_limit = rule.top_p * total;
     double cumulative = 0.0;
     size_t kept = 0;
-    bool ended = limited;
+    bool ended = false;
     while (true) {
       if (kept == ordered.size()) {
-        if (limited || heap_end == candidates.begin()) break;
-        pop();
+        if (heap_end == candidates.begin()) break;
+        std::pop_heap(candidates.begin(), heap_end, comes_after);
+        ordered.push_back(*--heap_end);
       }
       const float mass = ordered[kept].first;
       if (kept > 0 && (cumulative >= p_limit || mass < rule.min_p)) {
@@ -156,14 +199,7 @@ int64_t draw_truncated(const float* e, int64_t vocab, double total, const RowRul
     // an uncollected token has less mass than every collected one, and less than factor: it is cut if
     // the collected ones reached top-p's limit, or if min-p cuts below factor
     ended = ended || everything || cumulative >= p_limit || (rule.min_p > 0.f && rule.min_p >= factor);
-    if (!ended) continue;
-    const double target = rule.uniform * cumulative;
-    double running = 0.0;
-    for (size_t j = 0; j < kept; ++j) {
-      running += ordered[j].first;
-      if (running > target) return ordered[j].second;
-    }
-    return ordered[kept - 1].second;
+    if (ended) return pick(ordered, kept, rule.uniform * cumulative);
   }
   return ordered.front().second;  // not reached: the last factor collects every token
 }
@@ -176,7 +212,8 @@ int64_t sample_row(const float* x, int64_t vocab, const RowRule& rule) {
   const double total = row_masses(x, vocab, row_max(x, vocab), 1.f / rule.temperature, masses.data());
   const bool truncates = rule.top_k < vocab || rule.top_p < 1.f || rule.min_p > 0.f;
   if (!truncates) return walk(masses.data(), vocab, rule.uniform * total);
-  return draw_truncated(masses.data(), vocab, total, rule, candidates, ordered);
+  if (rule.top_k < vocab) return draw_top_k(masses.data(), vocab, rule, candidates, ordered);
+  return draw_top_p(masses.data(), vocab, total, rule, candidates, ordered);
 }
 
 }  // namespace
