@@ -125,7 +125,7 @@ void top_k_tokens(const float* e, int64_t vocab, int64_t k, std::vector<Candidat
   const int64_t blocks = (vocab + BLOCK - 1) / BLOCK;
   block_max.resize(blocks);
   for (int64_t b = 0; b < blocks; ++b) block_max[b] = row_max(e + b * BLOCK, std::min(BLOCK, vocab - b * BLOCK));
-  float floor = -std::numeric_limits<float>::infinity();
+  float floor = 0.f;  // no mass is less: where k exceeds the blocks, every token is collected
   if (k <= blocks) {
     kth.assign(block_max.begin(), block_max.end());
     std::nth_element(kth.begin(), kth.begin() + (k - 1), kth.end(), std::greater<float>());
@@ -144,9 +144,9 @@ void top_k_tokens(const float* e, int64_t vocab, int64_t k, std::vector<Candidat
 }
 
 // The truncated draw under top-k: top-p against the top-k mass, then min-p against the maximum's mass, 1.
-int64_t draw_top_k(const float* e, int64_t vocab, const RowRule& rule, std::vector<Candidate>& heap,
+int64_t draw_top_k(const float* e, int64_t vocab, const RowRule& rule, std::vector<Candidate>& candidates,
                    std::vector<Candidate>& ordered) {
-  top_k_tokens(e, vocab, rule.top_k, heap, ordered);
+  top_k_tokens(e, vocab, rule.top_k, candidates, ordered);
   double top_mass = 0.0;
   for (const Candidate& candidate : ordered) top_mass += candidate.first;
   const double p_limit = rule.top_p * top_mass;
