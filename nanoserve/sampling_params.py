@@ -42,9 +42,15 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return next(name for name in self.__struct_fields__ if getattr(self, name) not in (None, False))
 
 
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures under this are greedy, as in vLLM: the softmax at such a temperature is the argmax but for
+near ties, and dividing by one under about 3e-39 overflows the logits to infinity (NaN probabilities)."""
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     n: int = 1
     temperature: float = 1.0
+    """0, or anything under GREEDY_TEMPERATURE, is greedy."""
     top_p: float = 1.0
     top_k: int = 0
     """0 or -1 disables top-k."""
@@ -82,7 +88,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field; called on construction and by the processor."""

@@ -80,6 +80,16 @@ def test_top_k_one_equals_greedy(kernels):
     assert tokens == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("temperature", [1e-38, 1e-6])
+def test_a_temperature_near_zero_is_greedy(kernels, temperature):
+    """Under about 3e-39 the logits over the temperature overflow (NaN probabilities); well before, the
+    draw is the argmax but for near ties. Both are greedy, whatever top-k asks for."""
+    logits = random_logits(4, seed=2)
+    requests = [make_request(str(i), temperature=temperature, top_k=5, top_p=0.9) for i in range(4)]
+    tokens, _ = Sampler(0, kernels).sample(logits, requests)
+    assert tokens == logits.argmax(-1).tolist()
+
+
 def test_seeded_request_is_reproducible_whatever_the_batch(kernels):
     logits = random_logits(4, seed=2) * 0.1
     alone = []

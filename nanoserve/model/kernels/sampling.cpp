@@ -138,6 +138,7 @@ void top_k_tokens(const float* e, int64_t vocab, int64_t k, std::vector<Candidat
       if (e[i] >= floor) candidates.emplace_back(e[i], i);
     }
   }
+  k = std::min<int64_t>(k, static_cast<int64_t>(candidates.size()));  // fewer only where masses are NaN
   const auto better = [](const Candidate& a, const Candidate& b) { return comes_after(b, a); };
   std::partial_sort(candidates.begin(), candidates.begin() + k, candidates.end(), better);
   ordered.assign(candidates.begin(), candidates.begin() + k);
@@ -147,6 +148,7 @@ void top_k_tokens(const float* e, int64_t vocab, int64_t k, std::vector<Candidat
 int64_t draw_top_k(const float* e, int64_t vocab, const RowRule& rule, std::vector<Candidate>& candidates,
                    std::vector<Candidate>& ordered) {
   top_k_tokens(e, vocab, rule.top_k, candidates, ordered);
+  if (ordered.empty()) return 0;  // every mass NaN (non-finite logits): nothing to draw from
   double top_mass = 0.0;
   for (const Candidate& candidate : ordered) top_mass += candidate.first;
   const double p_limit = rule.top_p * top_mass;
