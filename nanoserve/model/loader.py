@@ -103,7 +103,7 @@ ONEDNN_ISAS_WITHOUT_BF16 = frozenset(
     {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
 )
 """ONEDNN_MAX_CPU_ISA values that keep oneDNN below the bf16 dot-product instructions, where it runs
-bf16 matmuls without them."""
+bf16 matmuls without them (AVX2_VNNI_2 converts to and from bf16 but has no bf16 dot products)."""
 
 
 def native_bf16(cpu_flags: str, aten_capability: str, onednn_max_isa: str | None) -> bool:
@@ -111,7 +111,7 @@ def native_bf16(cpu_flags: str, aten_capability: str, onednn_max_isa: str | None
     /proc/cpuinfo flags, or ATen's capability where those are missing) and ONEDNN_MAX_CPU_ISA, where
     set, lets oneDNN use them. A cap below them (set by a user, or by tests/other_cpus.py standing in for
     an older CPU) gets float32, as that CPU would."""
-    if onednn_max_isa is not None and onednn_max_isa.strip().upper() in ONEDNN_ISAS_WITHOUT_BF16:
+    if onednn_max_isa is not None and onednn_max_isa.upper() in ONEDNN_ISAS_WITHOUT_BF16:
         return False
     return "avx512_bf16" in cpu_flags or "amx_bf16" in cpu_flags or aten_capability == "AVX512_AMX"
 
@@ -121,7 +121,10 @@ def _cpu_has_native_bf16() -> bool:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         flags = ""
-    return native_bf16(flags, torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
+    onednn_max_isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get(
+        "DNNL_MAX_CPU_ISA"
+    )  # its old name
+    return native_bf16(flags, torch.backends.cpu.get_cpu_capability(), onednn_max_isa)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

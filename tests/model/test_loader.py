@@ -165,7 +165,8 @@ def test_resolve_dtype():
         ("fpu avx2 avx512f avx512_bf16 amx_bf16", "AVX2", "AVX2", False),
         ("fpu avx2 avx512f avx512_bf16 amx_bf16", "AVX512", "avx512_core_vnni", False),
         ("fpu avx2 avx512f avx512_bf16 amx_bf16", "AVX512", "AVX512_CORE_BF16", True),
-        ("fpu avx2 avx512f avx512_bf16 amx_bf16", "AVX512_AMX", "ALL", True),
+        ("fpu avx2 avx512f avx512_bf16 amx_bf16", "AVX512_AMX", "DEFAULT", True),
+        ("fpu avx2 avx512f avx512_bf16 amx_bf16", "AVX512", "avx2_vnni_2", False),
     ],
 )
 def test_native_bf16_follows_the_cpu_and_onednn_cap(flags, capability, onednn_cap, native):
