@@ -121,9 +121,8 @@ def _cpu_has_native_bf16() -> bool:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         flags = ""
-    onednn_max_isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get(
-        "DNNL_MAX_CPU_ISA"
-    )  # its old name
+    # DNNL_MAX_CPU_ISA: oneDNN's older name, which it still reads
+    onednn_max_isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
     return native_bf16(flags, torch.backends.cpu.get_cpu_capability(), onednn_max_isa)
 
 
