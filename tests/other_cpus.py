@@ -65,6 +65,7 @@ class StandIn:
         }
 
 
+AVX2 = frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})
 AVX512 = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
 STAND_INS = (
     StandIn(
@@ -72,7 +73,7 @@ STAND_INS = (
         "x86-64-v3",
         "AVX2",
         "avx2",
-        frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}),
+        AVX2,
         lacks="avx512f",
     ),
     StandIn(

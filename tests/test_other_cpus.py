@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from nanoserve.model.loader import native_bf16
-from tests.other_cpus import AVX512, STAND_INS, applicable
+from tests.other_cpus import AVX2, AVX512, STAND_INS, applicable
 
-AVX2 = {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}
 ZEN3 = AVX2
 ZEN4 = AVX2 | AVX512 | {"avx512_vnni", "avx512_bf16"}
 AMX_XEON = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
