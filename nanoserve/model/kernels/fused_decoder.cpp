@@ -183,8 +183,8 @@ class FusedDecoder {
 
   // Each thread's speed over the threads' geometric mean, as the region's matmuls have measured it (empty
   // before the first); tests set it to cut the matmuls unevenly.
-  std::vector<double> thread_speeds() const { return balance_.learned.relative(); }
-  void set_thread_speeds(const std::vector<double>& speeds) { balance_.learned.set_relative(speeds); }
+  std::vector<double> thread_speeds() const { return shared_.learned.relative(); }
+  void set_thread_speeds(const std::vector<double>& speeds) { shared_.learned.set_relative(speeds); }
 
   // Whether a step of `rows` rows can run in one region: the weights fit one (weights_fit_one_region) and
   // every matmul is quant_matmul or (float32) dense_matmul at that size: the region's kernels take raw
@@ -354,7 +354,7 @@ class FusedDecoder {
 
 #pragma omp parallel num_threads(at::get_num_threads())
     {
-      DecodeRegion region(&balance_);
+      DecodeRegion region(shared_);
       const T* stream = input;  // the residual stream: the embeddings, then `res`
       raw::rms_norm(input, layers[0].input_norm, hn, rows, hidden, eps);
       for (size_t i = 0; i < layers.size(); ++i) {
@@ -416,8 +416,9 @@ class FusedDecoder {
   std::vector<RegionLayer<float>> float_layers_;
   std::vector<RegionLayer<at::BFloat16>> bf16_layers_;
   at::Tensor final_norm_, embedding_, rotary_;  // rotary: the cos/sin table [positions, 2, head_dim]
-  // the threads' speeds, learned step after step: one forward at a time, as the KV caches need anyway
-  mutable LoopBalance balance_;
+  // the region's barrier and the threads' speeds, learned step after step: one forward at a time, as the KV
+  // caches need anyway
+  mutable RegionShared shared_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_, softcap_;
 };

@@ -27,11 +27,17 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <thread>
 #include <utility>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 // How fast each thread of a region gets through a loop's items, relative to the others: the log of its
 // items per second less the threads' mean, an exponential average over the loops timed so far.
@@ -120,38 +126,79 @@ class ThreadSpeeds {
   std::array<double, MAX_THREADS + 1> boundaries_{};  // where each thread's share starts, as a fraction; 1 last
 };
 
-// What the threads of a region share to cut their balanced loops: the speeds learned in earlier regions,
-// and each thread's time per item on the last two loops (two: a thread may start a loop while another
-// still reads the last one's times).
-struct LoopBalance {
+// Where the threads of a decode region meet between loops. libgomp's barrier has its last thread make a
+// futex_wake system call every time, whether or not a thread sleeps: on a two-core AMD EPYC Zen 3 (KVM)
+// that held the last thread 0.5 us a barrier, on the critical path of the ~300 barriers of a batch-1
+// decode step. Here the last thread only moves the generation on. The others spin, then yield their core
+// after SPINS pauses, as libgomp's own waits spin before they sleep: a thread of another process (the
+// frontend's) may need it.
+class RegionBarrier {
+ public:
+  void wait(int threads) {
+    const uint32_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == threads) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      if (spins < SPINS)
+        pause();
+      else
+        std::this_thread::yield();
+    }
+  }
+
+ private:
+  static constexpr int SPINS = 20000;
+
+  static void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<uint32_t> generation_{0};
+};
+
+// What the threads of a region share: their barrier, and what cuts their balanced loops: the speeds
+// learned in earlier regions and each thread's time per item on the last two loops (two: a thread may
+// start a loop while another still reads the last one's times).
+struct RegionShared {
+  RegionBarrier barrier;
   ThreadSpeeds learned;
   std::array<std::array<double, ThreadSpeeds::MAX_THREADS>, 2> seconds_per_item{};
 };
 
 inline thread_local bool in_decode_region = false;
 inline thread_local bool owes_barrier = false;  // thread 0 ran a loop alone since the last barrier
-inline thread_local LoopBalance* region_balance = nullptr;
+inline thread_local RegionShared* region_shared = nullptr;
 // This thread's copy of the speeds: every thread starts from the same `learned` and updates its copy from
 // the same times, so all cut each loop at the same points without a word between them.
 inline thread_local ThreadSpeeds region_speeds;
 inline thread_local int64_t balanced_loops = 0;
 
-// Marks this thread as inside FusedDecoder's region for its lifetime; `balance`, where given, cuts the
-// region's balanced loops.
+// Marks this thread as inside FusedDecoder's region for its lifetime, with what the region's threads share.
 struct DecodeRegion {
-  explicit DecodeRegion(LoopBalance* balance = nullptr) {
+  explicit DecodeRegion(RegionShared& shared) {
     in_decode_region = true;
-    region_balance = balance;
-    if (balance) region_speeds = balance->learned;
+    region_shared = &shared;
+    region_speeds = shared.learned;
     balanced_loops = 0;
   }
   ~DecodeRegion() {  // the region's end is a barrier
     in_decode_region = owes_barrier = false;
-    region_balance = nullptr;
+    region_shared = nullptr;
   }
   DecodeRegion(const DecodeRegion&) = delete;
   DecodeRegion& operator=(const DecodeRegion&) = delete;
 };
+
+// the region's threads meet
+inline void region_barrier() { region_shared->barrier.wait(omp_get_num_threads()); }
 
 // f(begin, end) over [begin, end) in chunks of at least `grain`, as at::parallel_for runs it.
 template <typename F>
@@ -169,27 +216,27 @@ void split_work(int64_t begin, int64_t end, int64_t grain, const F& f) {
     return;
   }
   if (owes_barrier) {
-#pragma omp barrier
+    region_barrier();
     owes_barrier = false;
   }
   const int64_t chunk = (count + threads - 1) / threads;
   const int64_t first = begin + omp_get_thread_num() * chunk;
   if (first < end) f(first, std::min(end, first + chunk));
-#pragma omp barrier
+  region_barrier();
 }
 
-// split_work for loops whose items all cost the same (a matmul's column tiles): in a region with a
-// LoopBalance and enough items for every thread, each thread's share is in proportion to its speed, and
-// the speeds are learned from the time each share took.
+// split_work for loops whose items all cost the same (a matmul's column tiles): in a region, with enough
+// items for every thread, each thread's share is in proportion to its speed, and the speeds are learned
+// from the time each share took.
 template <typename F>
 void split_balanced(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  const int threads = in_decode_region && region_balance ? omp_get_num_threads() : 1;
+  const int threads = in_decode_region ? omp_get_num_threads() : 1;
   if (threads < 2 || threads > ThreadSpeeds::MAX_THREADS || end - begin < threads * grain) {
     split_work(begin, end, grain, f);
     return;
   }
   if (owes_barrier) {
-#pragma omp barrier
+    region_barrier();
     owes_barrier = false;
   }
   const int thread = omp_get_thread_num();
@@ -197,9 +244,9 @@ void split_balanced(int64_t begin, int64_t end, int64_t grain, const F& f) {
   const auto start = std::chrono::steady_clock::now();
   if (first < last) f(first, last);
   const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
-  double* seconds_per_item = region_balance->seconds_per_item[balanced_loops++ % 2].data();
+  double* seconds_per_item = region_shared->seconds_per_item[balanced_loops++ % 2].data();
   seconds_per_item[thread] = first < last ? took.count() / static_cast<double>(last - first) : 0;
-#pragma omp barrier
+  region_barrier();
   region_speeds.learn(seconds_per_item, threads);
-  if (thread == 0) region_balance->learned = region_speeds;  // every thread copied it before this barrier
+  if (thread == 0) region_shared->learned = region_speeds;  // every thread copied it before this barrier
 }
