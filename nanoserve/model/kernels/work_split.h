@@ -200,6 +200,13 @@ struct DecodeRegion {
 // the region's threads meet
 inline void region_barrier() { region_shared->barrier.wait(omp_get_num_threads()); }
 
+// before a loop the threads share: meet thread 0 if it ran loops alone since the last barrier
+inline void meet_if_owed() {
+  if (!owes_barrier) return;
+  region_barrier();
+  owes_barrier = false;
+}
+
 // f(begin, end) over [begin, end) in chunks of at least `grain`, as at::parallel_for runs it.
 template <typename F>
 void split_work(int64_t begin, int64_t end, int64_t grain, const F& f) {
@@ -215,10 +222,7 @@ void split_work(int64_t begin, int64_t end, int64_t grain, const F& f) {
     owes_barrier = true;
     return;
   }
-  if (owes_barrier) {
-    region_barrier();
-    owes_barrier = false;
-  }
+  meet_if_owed();
   const int64_t chunk = (count + threads - 1) / threads;
   const int64_t first = begin + omp_get_thread_num() * chunk;
   if (first < end) f(first, std::min(end, first + chunk));
@@ -235,10 +239,7 @@ void split_balanced(int64_t begin, int64_t end, int64_t grain, const F& f) {
     split_work(begin, end, grain, f);
     return;
   }
-  if (owes_barrier) {
-    region_barrier();
-    owes_barrier = false;
-  }
+  meet_if_owed();
   const int thread = omp_get_thread_num();
   const auto [first, last] = region_speeds.share(thread, threads, begin, end);
   const auto start = std::chrono::steady_clock::now();
