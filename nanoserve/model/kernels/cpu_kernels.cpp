@@ -297,18 +297,10 @@ void decode_attention_for_head_dim(const T* q, const T* kv, const int32_t* block
           float* s = scores.data() + h * stride;
           if (softcap > 0.f)
             for (int64_t t = 0; t < count; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
-          const ivec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-          auto load16 = [&](int64_t first) {  // lanes past the chunk: -inf
-            vec16 x;
-            std::memcpy(&x, s + first, sizeof x);
-            return lane < static_cast<int32_t>(count - first) ? x : -INFINITY;
-          };
-          vec16 most = load16(0);
-          for (int64_t first = 16; first < count; first += 16) {
-            const vec16 x = load16(first);
-            most = most > x ? most : x;
-          }
-          const float chunk_max = std::max(max_score[h], max16(most));
+          // lanes up to the next 16: -inf, which the max passes over and exp turns to 0
+          const int64_t padded = (count + 15) / 16 * 16;
+          std::fill(s + count, s + padded, -INFINITY);
+          const float chunk_max = std::max(max_score[h], max_of(s, padded));
           if (chunk_max > max_score[h]) {
             const float shrink = std::exp(max_score[h] - chunk_max);
             total[h] *= shrink;
@@ -316,13 +308,7 @@ void decode_attention_for_head_dim(const T* q, const T* kv, const int32_t* block
             for (int64_t d = 0; d < D; ++d) a[d] *= shrink;
             max_score[h] = chunk_max;
           }
-          vec16 sum = {};
-          for (int64_t first = 0; first < count; first += 16) {
-            const vec16 p = exp16(load16(first) - chunk_max);
-            sum += p;
-            std::memcpy(s + first, &p, sizeof p);
-          }
-          total[h] += sum16(sum);
+          total[h] += exp_shifted(s, padded, chunk_max);
         }
         for_each_run(chunk_start, chunk_stop, [&](int64_t slot, int64_t offset, int64_t n) {
           prefetch_piece();

@@ -1,29 +1,48 @@
 // vec16: 16 float32 lanes in whatever registers the CPU has (one AVX-512 register, two AVX ones, ...),
-// with the lane-wise math the attention kernels share.
+// with the lane-wise math the attention kernels share; and loops over float buffers at the CPU's own width.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 typedef float vec16 __attribute__((vector_size(64)));
 typedef int32_t ivec16 __attribute__((vector_size(64)));
 
-// e^x lane by lane, to float precision (Cephes' polynomial for e^r on |r| <= ln 2 / 2, times 2^n); 0 below
-// e^-87, where -inf (a masked score) lands.
-inline vec16 exp16(vec16 x) {
-  const ivec16 keep = x > -87.f;
+typedef float vec8 __attribute__((vector_size(32)));
+typedef int32_t ivec8 __attribute__((vector_size(32)));
+
+// e^x lane by lane for float lanes V and int32 lanes I of one width, to float precision (Cephes' polynomial
+// for e^r on |r| <= ln 2 / 2, times 2^n); 0 below e^-87, where -inf (a masked score) lands.
+template <typename V, typename I>
+inline V exp_lanes(V x) {
+  const I keep = x > -87.f;
   x = x < 88.f ? x : 88.f;
   x = x > -87.f ? x : -87.f;
-  const vec16 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f), ivec16), vec16);
-  const vec16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vec16 p = 1.9875691500e-4f + r * 0.f;
+  const V n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f), I), V);
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = 1.9875691500e-4f + r * 0.f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const ivec16 scaled = (ivec16)p + (__builtin_convertvector(n, ivec16) << 23);
-  return (vec16)(scaled & keep);
+  const I scaled = (I)p + (__builtin_convertvector(n, I) << 23);
+  return (V)(scaled & keep);
+}
+
+// Without AVX-512, GCC compiles a comparison or select of 64-byte vectors lane by lane in scalar code (one
+// exp of 16 lanes took about 200 instructions, and the decode attention's softmax a quarter of its time on
+// a Zen 3), so there the 16 lanes go through as two vectors of 8.
+inline vec16 exp16(vec16 x) {
+#if defined(__AVX512F__)
+  return exp_lanes<vec16, ivec16>(x);
+#else
+  const vec8 low = exp_lanes<vec8, ivec8>(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
+  const vec8 high = exp_lanes<vec8, ivec8>(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
 }
 
 inline float sum16(vec16 x) {
@@ -41,4 +60,45 @@ inline float max16(vec16 x) {
   x = max_lanes(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
   x = max_lanes(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
   return x[0];
+}
+
+// Loops over a buffer of floats take the widest vector the CPU has at a time: 16 lanes on AVX-512, else 8.
+#if defined(__AVX512F__)
+typedef vec16 row_lanes;
+typedef ivec16 row_int_lanes;
+#else
+typedef vec8 row_lanes;
+typedef ivec8 row_int_lanes;
+#endif
+constexpr int64_t ROW_LANES = sizeof(row_lanes) / sizeof(float);
+
+inline row_lanes load_row_lanes(const float* x) {
+  row_lanes v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+
+// the largest of x[0, n), n a positive multiple of 16
+inline float max_of(const float* x, int64_t n) {
+  row_lanes most = load_row_lanes(x);
+  for (int64_t i = ROW_LANES; i < n; i += ROW_LANES) {
+    const row_lanes v = load_row_lanes(x + i);
+    most = most > v ? most : v;
+  }
+  float largest = most[0];
+  for (int64_t t = 1; t < ROW_LANES; ++t) largest = std::max(largest, most[t]);
+  return largest;
+}
+
+// x[i] = e^(x[i] - shift) for i in [0, n), n a multiple of 16; returns their sum
+inline float exp_shifted(float* x, int64_t n, float shift) {
+  row_lanes sum = {};
+  for (int64_t i = 0; i < n; i += ROW_LANES) {
+    const row_lanes p = exp_lanes<row_lanes, row_int_lanes>(load_row_lanes(x + i) - shift);
+    sum += p;
+    std::memcpy(x + i, &p, sizeof p);
+  }
+  float total = 0.f;
+  for (int64_t t = 0; t < ROW_LANES; ++t) total += sum[t];
+  return total;
 }
