@@ -15,7 +15,10 @@ Each system runs in its own subprocess, one after another, so they never compete
 an import error or crash in one peer becomes an error in its table row. Numbers are min/median/max
 over repeats; ratios use the medians of this one run. On a shared machine whose speed drifts over
 minutes, `--rounds N` runs the systems in turn N times and pools each one's repeats, so that every
-system is measured across the same stretch of time rather than each in its own.
+system is measured across the same stretch of time rather than each in its own. Before each system's
+run the machine's read bandwidth is measured and printed beside it: a batch-1 decode step is bound by it,
+and on a VM whose neighbours share the memory it moves from run to run (23-41 GB/s on a two-core Zen 3),
+so a system that ran while it was low can be told apart from a slow one.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nanoserve.bench.bandwidth import read_bandwidth
 from nanoserve.bench.llamacpp_build import recorded_kind
 from nanoserve.bench.throughput import (
     SAMPLED_TEMPERATURE,
@@ -368,20 +372,29 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     results: dict[str, dict] = {}
+    bandwidths: dict[str, list[float]] = {}  # GB/s, measured before each of a system's runs
     for round_number in range(1, args.rounds + 1):
         for system in systems:
+            bandwidth = read_bandwidth() / 1e9
+            bandwidths.setdefault(system, []).append(bandwidth)
             start = time.perf_counter()
             results[system] = merge_results(
                 results.get(system), run_system(system, spec_file, work_dir, args.timeout)
             )
             print(
-                f"  round {round_number}, {system_label(system)}: {time.perf_counter() - start:.0f} s",
+                f"  round {round_number}, {system_label(system)}: {time.perf_counter() - start:.0f} s "
+                f"(read bandwidth before it: {bandwidth:.1f} GB/s)",
                 flush=True,
             )
     print(
         "\ntok/s; ratios: nanoserve tok/s / peer (higher is better), TTFT nanoserve / peer (lower is better)"
     )
     print_table(results, list(spec["prompts"]), args.ttft_prompt_len)
+    per_system = (
+        f"{system_label(name)} {statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
+        for name, v in bandwidths.items()
+    )
+    print("\nread bandwidth before each system's runs, GB/s: " + "; ".join(per_system))
     if args.plot:
         from nanoserve.bench.plot import plot_throughput
 

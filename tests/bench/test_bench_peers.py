@@ -33,8 +33,11 @@ def test_peers_table_and_plot_with_a_missing_peer(tmp_path, capsys):
 
 
 def test_rounds_take_the_systems_in_turn_and_pool_their_runs(tmp_path, monkeypatch, capsys):
-    """--rounds 2: nanoserve, llama.cpp, nanoserve, llama.cpp; each row's median is over both rounds."""
+    """--rounds 2: nanoserve, llama.cpp, nanoserve, llama.cpp; each row's median is over both rounds, and the
+    read bandwidth measured before each run is printed beside it and summed up per system."""
     calls = []
+    bandwidths = iter([30e9, 20e9, 40e9, 25e9])
+    monkeypatch.setattr(peers, "read_bandwidth", lambda: next(bandwidths))
     speeds = {"nanoserve": iter([[100.0, 110.0], [60.0, 70.0]]), "llamacpp": iter([[50.0], [40.0]])}
 
     def fake_run_system(system, spec_file, log_dir, timeout):
@@ -54,6 +57,9 @@ def test_rounds_take_the_systems_in_turn_and_pool_their_runs(tmp_path, monkeypat
     }
     assert rows["nanoserve"][1:3] == ["85.0", "(60-110)"], out  # median of 100, 110, 60, 70
     assert rows[f"nanoserve/{peers.system_label('llamacpp')}"][-2] == "1.89x", out  # 85 / 45, then TTFT
+    assert "round 2, nanoserve: " in out and "(read bandwidth before it: 40.0 GB/s)" in out, out
+    llamacpp = peers.system_label("llamacpp")
+    assert f"GB/s: nanoserve 35.0 (30.0-40.0); {llamacpp} 22.5 (20.0-25.0)" in out, out
 
 
 def test_merge_results_keeps_the_first_error():
