@@ -184,7 +184,7 @@ class ModelRunner:
             (c.request.num_computed_tokens for c in chunks), dtype=np.int64, count=len(chunks)
         )
         seq_lens = starts + query_lens
-        num_tokens = int(query_lens.sum())
+        num_tokens = sum(c.num_new_tokens for c in chunks)
 
         if num_tokens == len(chunks):  # decode-only: one token per request
             token_ids = [c.request.all_token_ids[c.request.num_computed_tokens] for c in chunks]
@@ -204,7 +204,7 @@ class ModelRunner:
             block_table[i, : len(c.block_ids)] = c.block_ids
 
         model = self._loaded()
-        input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         if num_tokens == len(chunks) and model.fused_decoder is not None:
             # the fused decode step looks up what it needs itself: no attention metadata
             hidden = model.decode(
@@ -224,7 +224,7 @@ class ModelRunner:
             positions_t = torch.from_numpy(positions).to(self.device, non_blocking=True)
             hidden = model(input_ids, positions_t, self.kv_caches, attn)
 
-        prompt_logprobs = self._prompt_logprobs(chunks, hidden, np.cumsum(query_lens) - query_lens)
+        prompt_logprobs = self._prompt_logprobs(chunks, hidden)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         if not sampling:
             return RunnerOutput([], [], [], prompt_logprobs)
@@ -240,33 +240,41 @@ class ModelRunner:
         return RunnerOutput([r.request_id for r in requests], token_lists, logprobs, prompt_logprobs)
 
     def _prompt_logprobs(
-        self, chunks: list[ScheduledChunk], hidden: torch.Tensor, chunk_starts: np.ndarray
+        self, chunks: list[ScheduledChunk], hidden: torch.Tensor
     ) -> dict[str, list[list[tuple[int, float]]]]:
         """For chunks of requests that asked for prompt logprobs: each prompt token's logprob given the
-        tokens before it (from the hidden state one position earlier) and the top ones there."""
+        tokens before it (from the hidden state one position earlier) and the top ones there. Plain Python
+        over the chunks: after a decode step has streamed the weights through the caches, a first numpy
+        call costs tens of microseconds, and at batch 1 this runs every step."""
         result: dict[str, list[list[tuple[int, float]]]] = {}
-        for chunk, chunk_start in zip(chunks, chunk_starts.tolist(), strict=True):
-            request = chunk.request
-            if not request.needs_prompt_logprobs:
-                continue
-            start = request.num_computed_tokens
-            # positions whose next token is a prompt token not yet covered
-            first = max(start, len(request.prompt_logprobs))
-            end = min(start + chunk.num_new_tokens, request.num_prompt_tokens - 1)
-            entries: list[list[tuple[int, float]]] = []
-            num_top = request.sampling_params.prompt_logprobs or 0
-            for lo in range(first, end, PROMPT_LOGPROBS_ROWS):
-                hi = min(lo + PROMPT_LOGPROBS_ROWS, end)
-                rows = hidden[chunk_start + lo - start : chunk_start + hi - start]
-                logprobs = torch.log_softmax(self._loaded().compute_logits(rows).float(), dim=-1).cpu()
-                targets = torch.tensor(request.all_token_ids[lo + 1 : hi + 1])
-                target_lp = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-                top_lp, top_ids = logprobs.topk(num_top, dim=-1)
-                for k, (token, lp) in enumerate(zip(targets.tolist(), target_lp, strict=True)):
-                    top = zip(top_ids[k].tolist(), top_lp[k].tolist(), strict=True)
-                    entries.append([(token, lp), *top])
-            result[request.request_id] = entries
+        chunk_start = 0  # the chunk's first row in hidden
+        for chunk in chunks:
+            if chunk.request.needs_prompt_logprobs:
+                result[chunk.request.request_id] = self._chunk_prompt_logprobs(chunk, hidden, chunk_start)
+            chunk_start += chunk.num_new_tokens
         return result
+
+    def _chunk_prompt_logprobs(
+        self, chunk: ScheduledChunk, hidden: torch.Tensor, chunk_start: int
+    ) -> list[list[tuple[int, float]]]:
+        request = chunk.request
+        start = request.num_computed_tokens
+        # positions whose next token is a prompt token not yet covered
+        first = max(start, len(request.prompt_logprobs))
+        end = min(start + chunk.num_new_tokens, request.num_prompt_tokens - 1)
+        entries: list[list[tuple[int, float]]] = []
+        num_top = request.sampling_params.prompt_logprobs or 0
+        for lo in range(first, end, PROMPT_LOGPROBS_ROWS):
+            hi = min(lo + PROMPT_LOGPROBS_ROWS, end)
+            rows = hidden[chunk_start + lo - start : chunk_start + hi - start]
+            logprobs = torch.log_softmax(self._loaded().compute_logits(rows).float(), dim=-1).cpu()
+            targets = torch.tensor(request.all_token_ids[lo + 1 : hi + 1])
+            target_lp = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            top_lp, top_ids = logprobs.topk(num_top, dim=-1)
+            for k, (token, lp) in enumerate(zip(targets.tolist(), target_lp, strict=True)):
+                top = zip(top_ids[k].tolist(), top_lp[k].tolist(), strict=True)
+                entries.append([(token, lp), *top])
+        return entries
 
 
 def _sampled_rows(chunk_ends: np.ndarray, drafts: list[list[int]]) -> np.ndarray:

@@ -128,3 +128,18 @@ def test_prompt_logprobs_match_transformers(tiny_gqa_dir):
         top_lp, top_ids = expected[p].topk(3)
         assert [t for t, _ in top] == top_ids.tolist()
         assert [v for _, v in top] == pytest.approx(top_lp.tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_of_a_prompt_behind_another_in_its_step(tiny_gqa_dir):
+    """Both prompts are computed in one step, the one with prompt logprobs second: its rows of the step's
+    hidden states start where the first prompt's end."""
+    before, prompt = make_prompts(2, seed=7, lengths=(11, 13))
+    expected = hf_prompt_logprobs(tiny_gqa_dir, prompt)
+    engine = tiny_engine(tiny_gqa_dir, max_num_batched_tokens=64)
+    engine.add_request(request("before", before, max_tokens=1))
+    engine.add_request(request("a", prompt, max_tokens=1, prompt_logprobs=0))
+    first = next(o for o in engine.step().outputs if o.request_id == "a")
+    assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == len(prompt) - 1
+    for p, [(token, lp)] in enumerate(first.prompt_logprobs):
+        assert token == prompt[p + 1]
+        assert lp == pytest.approx(expected[p, token].item(), abs=1e-4)
