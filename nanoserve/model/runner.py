@@ -257,6 +257,7 @@ class ModelRunner:
     def _chunk_prompt_logprobs(
         self, chunk: ScheduledChunk, hidden: torch.Tensor, chunk_start: int
     ) -> list[list[tuple[int, float]]]:
+        """The prompt logprobs of the positions one chunk computes, its rows of hidden from chunk_start."""
         request = chunk.request
         start = request.num_computed_tokens
         # positions whose next token is a prompt token not yet covered
