@@ -28,6 +28,7 @@ from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.layers.causal_lm import CausalLM
 from nanoserve.model.layers.linear import cpu_prepack_supported
 from nanoserve.model.loader import load_model, load_model_config, resolve_dtype
+from nanoserve.model.prefetch_choice import DEFAULT_DISTANCE, choose_weight_prefetch
 from nanoserve.model.sampler import Sampler
 from nanoserve.model.step_choice import choose_quantized_steps
 from nanoserve.model_files import resolve_model_path
@@ -106,8 +107,11 @@ class ModelRunner:
                 # tokens) must not depend on cpu_kernels
                 model.use_cpu_kernels(self.kernels)
                 choose_quantized_steps(model, self.kernels, self.dtype, options.block_size)
+                choose_weight_prefetch(model, self.kernels, self.dtype)
                 if cpu_prepack_supported(self.dtype, self.device):
                     model.repack_for_quantized_steps(self.kernels)
+            else:
+                self.kernels.set_weight_prefetch_bytes(DEFAULT_DISTANCE)
             model.use_cpu_kernels(self.kernels, fused_decode=options.cpu_kernels == "auto")
         return model
 

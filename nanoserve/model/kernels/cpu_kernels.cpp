@@ -675,6 +675,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("quant_matmul_supported", &quant_matmul_supported);
   m.def("quant_matmul", &quant_matmul);
+  m.def("weight_prefetch_bytes", &weight_prefetch_bytes);
+  m.def("set_weight_prefetch_bytes", &set_weight_prefetch_bytes);
   m.def("dense_matmul", &dense_matmul, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"));
   m.def("packed_linear_by_rows", &packed_linear_by_rows, pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("bias"), pybind11::arg("out_features"));

@@ -73,6 +73,11 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos_sin, torch::Ten
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor gelu_tanh_and_mul(torch::Tensor x);
 bool quant_matmul_supported();
+// How many bytes of codes ahead of the group it reads quant_matmul prefetches a weight (0: it does not), for
+// the whole process: on a Zen 1, 4096 made batch-1 steps faster than 2048 or 8192; on a Zen 3, 1024 or 1536
+// took 0.95x the time of 4096 (nanoserve.model.prefetch_choice measures it per CPU).
+int64_t weight_prefetch_bytes();
+void set_weight_prefetch_bytes(int64_t bytes);
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t bits);
 // whether quant_matmul's scales (this many float16 values, for a k x n weight) hold a low beside each scale;
 // raises where they fit neither layout
@@ -90,19 +95,19 @@ constexpr int64_t GROUP = 32;
 constexpr int64_t TILE = 16;
 
 #if defined(__AVX2__)
-// The codes and scales of the group PREFETCH_BYTES of codes ahead, into L1: the hardware prefetchers alone
+// The codes and scales of the group `distance` bytes of codes ahead, into L1: the hardware prefetchers alone
 // left the tile loops waiting on memory. Both loops were measured reading weights of SmolLM2's shapes
 // cold, one row, 2 threads, with and without it: on a Zen 1 (AVX2; 22.6 GB/s) one pass over both halves
 // and the prefetch took gate_up from 9.6 to 13-14 GB/s and a batch-1 decode step to 0.82x the time; on
 // an AVX-512 Xeon gate_up went from 42 to 48 GB/s, down from 42 to 46 and the 8-bit lm_head from 44 to 51.
-constexpr int64_t PREFETCH_BYTES = 4096;
+// How far ahead pays best differs by CPU (weight_prefetch_bytes).
 template <int BITS, bool LOWS>
-inline void prefetch_group_ahead(const uint8_t* codes, const at::Half* scales) {
+inline void prefetch_group_ahead(const uint8_t* codes, const at::Half* scales, int64_t distance) {
   constexpr int64_t group_bytes = GROUP * TILE * BITS / 8;
   constexpr int64_t scale_bytes = (LOWS ? 2 : 1) * TILE * sizeof(at::Half);
   for (int64_t line = 0; line < group_bytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(codes) + PREFETCH_BYTES + line, _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(scales) + PREFETCH_BYTES / group_bytes * scale_bytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(codes) + distance + line, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(scales) + distance / group_bytes * scale_bytes, _MM_HINT_T0);
 }
 #endif
 }  // namespace quant_isa

@@ -118,11 +118,12 @@ inline void group_dots(const uint8_t* c, const Activations& x, int64_t g, __m256
 
 // out columns of one tile for ROWS rows of quantized x (the layout's 64-byte quad vectors hold columns 0-7
 // in their first 32 bytes, 8-15 in the second). Up to two rows take all 16 columns in one pass; more rows'
-// sums and accumulators would not fit the 16 registers, so they take 8 columns a pass. `prefetch`: fetch
-// the codes ahead, in the first pass (set for a chunk's first block of rows: later blocks find them cached).
+// sums and accumulators would not fit the 16 registers, so they take 8 columns a pass. `prefetch`: how far
+// ahead to fetch the codes, in the first pass (0 but for a chunk's first block of rows: later blocks find
+// them cached).
 template <int BITS, bool LOWS, int ROWS, bool BROADCAST, typename T>
 void tile_rows_with(const Activations& x, const float* x_scales, const float* x_sums, const uint8_t* codes,
-                    const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile, bool prefetch) {
+                    const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile, int64_t prefetch) {
   static_assert(LOWS || BITS == 8, "4-bit codes always have offsets");
   constexpr int HALVES = ROWS <= 2 ? 2 : 1;
   constexpr int64_t scale_stride = (LOWS ? 2 : 1) * TILE;
@@ -134,7 +135,7 @@ void tile_rows_with(const Activations& x, const float* x_scales, const float* x_
     for (int h = 0; h < HALVES; ++h)
       for (int r = 0; r < ROWS; ++r) acc[h][r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g, c += group_bytes, s += scale_stride) {
-      if (prefetch && pass == 0) prefetch_group_ahead<BITS, LOWS>(c, s);
+      if (prefetch && pass == 0) prefetch_group_ahead<BITS, LOWS>(c, s, prefetch);
       __m256i dot[HALVES][ROWS];
       group_dots<BITS, ROWS, HALVES, BROADCAST>(c, x, g, dot);
       for (int h = 0; h < HALVES; ++h) {
@@ -160,7 +161,7 @@ void tile_rows_with(const Activations& x, const float* x_scales, const float* x_
 // of one or two rows included)
 template <int BITS, bool LOWS, int ROWS, typename T>
 void tile_rows(const Activations& x, const float* x_scales, const float* x_sums, const uint8_t* codes,
-               const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile, bool prefetch) {
+               const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile, int64_t prefetch) {
   if constexpr (ROWS <= BROADCAST_ROWS) {
     if (x.quads)
       return tile_rows_with<BITS, LOWS, ROWS, true>(x, x_scales, x_sums, codes, scales, out, k, n, tile, prefetch);

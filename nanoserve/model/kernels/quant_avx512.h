@@ -51,11 +51,12 @@ inline void store(at::BFloat16* out, __m512 values) {  // round to nearest even,
 // out columns of one tile for ROWS rows of quantized x. The rows' dot products advance together, quad by
 // quad: one row's 8 dependent VNNI steps alone would wait on each other's latency. Each activation quad
 // is a broadcast memory operand of the VNNI instruction itself (GCC does not fold the broadcast).
-// `prefetch`: fetch the codes ahead (set for a chunk's first block of rows: later blocks find them cached).
+// `prefetch`: how far ahead to fetch the codes (0 but for a chunk's first block of rows: later blocks find
+// them cached).
 // Without LOWS (8 bits, symmetric codes) each group's offset is -128 * scale, computed here, not read.
 template <int BITS, bool LOWS, int ROWS, typename T>
 void tile_rows(const Activations& x, const float* x_scales, const float* x_sums, const uint8_t* codes,
-               const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile, bool prefetch) {
+               const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile, int64_t prefetch) {
   static_assert(LOWS || BITS == 8, "4-bit codes always have offsets");
   constexpr int64_t scale_stride = (LOWS ? 2 : 1) * TILE;
   const int64_t groups = k / GROUP, group_bytes = GROUP * TILE * BITS / 8;
@@ -64,7 +65,7 @@ void tile_rows(const Activations& x, const float* x_scales, const float* x_sums,
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, c += group_bytes, s += scale_stride) {
-    if (prefetch) prefetch_group_ahead<BITS, LOWS>(c, s);
+    if (prefetch) prefetch_group_ahead<BITS, LOWS>(c, s, prefetch);
     __m512i quads[8];
     load_group<BITS>(c, quads);
     __m512i dot[ROWS];

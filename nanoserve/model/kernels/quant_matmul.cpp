@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -35,6 +36,8 @@
 #endif
 
 namespace {
+
+std::atomic<int64_t> prefetch_bytes{4096};
 
 #ifdef NANOSERVE_QUANT_MATMUL
 
@@ -90,6 +93,7 @@ void quant_matmul_impl(const T* x, const QuantizedRows* shared, const uint8_t* c
                        int64_t rows, int64_t k, int64_t n) {
   const int64_t groups = k / GROUP;
   static constexpr auto tiles = tile_kernels<BITS, LOWS, T>(std::make_integer_sequence<int, MAX_ROWS>{});
+  const int64_t prefetch = prefetch_bytes.load(std::memory_order_relaxed);
   split_balanced(0, n / TILE, 4, [&](int64_t begin, int64_t end) {
     const QuantizedRows q = shared ? *shared : quantized_here(x, rows * groups);
     const quant_isa::Activations activations = quant_isa::prepare_activations(q.xq, rows, k);
@@ -101,7 +105,7 @@ void quant_matmul_impl(const T* x, const QuantizedRows* shared, const uint8_t* c
           const float* su = q.sums + row * groups;
           T* o = out + row * n;
           tiles[std::min<int64_t>(MAX_ROWS, chunk_end - row) - 1](activations.from_row(row), sc, su, codes, scales,
-                                                                  o, k, n, tile, row == chunk);
+                                                                  o, k, n, tile, row == chunk ? prefetch : 0);
         }
       }
     }
@@ -131,6 +135,15 @@ bool quant_matmul_supported() {
 #else
   return false;
 #endif
+}
+
+int64_t weight_prefetch_bytes() { return prefetch_bytes.load(std::memory_order_relaxed); }
+
+void set_weight_prefetch_bytes(int64_t bytes) {
+  // in whole groups of 8-bit codes (512 bytes; two of 4-bit), so that the scales are fetched as far ahead
+  TORCH_CHECK_VALUE(bytes >= 0 && bytes % 512 == 0 && bytes <= (1 << 16),
+                    "quant_matmul: a prefetch distance in multiples of 512 bytes, up to 64 KiB, got ", bytes);
+  prefetch_bytes.store(bytes, std::memory_order_relaxed);
 }
 
 bool quant_scales_have_lows(int64_t scale_count, int64_t k, int64_t n, int64_t bits) {
