@@ -66,9 +66,10 @@ class EngineOptions:
     the step sizes up to which each quantized matmul beats the unquantized one and uses it there; fixed:
     the quantized kernel at every step size (quant_matmul; torch's int4 kernel up to 16 tokens) and the
     8-bit lm_head up to 4 rows. See nanoserve.model.matmul_choice; auto then also times whole decode
-    steps all quantized, which can raise those limits (nanoserve.model.step_choice). With or without
-    quantization, auto also measures which blocked layout oneDNN's bf16 weights are packed in
-    (nanoserve.model.pack_choice); fixed keeps the layout for batch 1."""
+    steps all quantized, which can raise those limits (nanoserve.model.step_choice), and how far ahead
+    the quantized kernels prefetch their weights (nanoserve.model.prefetch_choice; fixed: 4 KB). With
+    or without quantization, auto also measures which blocked layout oneDNN's bf16 weights are packed
+    in (nanoserve.model.pack_choice); fixed keeps the layout for batch 1."""
     speculative: str = "none"
     """ngram: speculative decoding by prompt lookup (nanoserve.core.speculator): up to
     `num_speculative_tokens` tokens that followed the latest earlier occurrence of the sequence's last

@@ -80,8 +80,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=MATMUL_CHOICES,
         default=None,
         help="auto measures per CPU and weight shape (cached) up to which step size each quantized matmul "
-        "beats the unquantized one, and oneDNN's fastest bf16 layout; fixed: quantized at every step size, "
-        "batch 1's layout",
+        "beats the unquantized one, how far ahead it prefetches weights, and oneDNN's fastest bf16 layout; "
+        "fixed: quantized at every step size, 4 KB ahead, batch 1's layout",
     )
     group.add_argument(
         "--speculative",

@@ -10,7 +10,8 @@ to STREAMED_BYTES), with each of DISTANCES in ROUNDS interleaved rounds, and kee
 over its round's mean has the lowest median: the memory bandwidth of a shared machine moves from minute to
 minute, so each round is compared within itself. The answer is cached in matmul_choice.json under the
 kernel build (CPU model and flags included) and the thread count. The distance holds for the whole
-process, and it changes no result, only how soon the codes arrive; "fixed" keeps DEFAULT_DISTANCE.
+process (the engine started last sets it for all), and it changes no result, only how soon the codes
+arrive; "fixed" keeps DEFAULT_DISTANCE.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -35,14 +37,17 @@ ROUNDS = 31
 STREAMED_BYTES = 256 << 20
 """Weights timed per pass, up to this many bytes: enough to leave the caches on a small model's step."""
 MIN_STREAMED_BYTES = 64 << 20
-"""Fewer weight bytes than this (a test's tiny model) would stay in the caches from pass to pass and time
-nothing of memory: such a model is not measured, and runs at the distance a larger one measured on this
-machine, or at DEFAULT_DISTANCE."""
+"""Fewer weight bytes than this, or than twice the largest cache (a test's tiny model; a mid-sized one on a
+CPU with hundreds of MB of L3), would stay in the caches from pass to pass and time nothing of memory:
+such a model is not measured, and runs at the distance a larger one measured on this machine, or at
+DEFAULT_DISTANCE."""
+CPU0_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 METHOD = "batch-1 passes"
 """Part of the cache key: answers measured another way are measured again."""
 
 
 def prefetch_key() -> str:
+    """The cache key: kernel build and CPU, method and threads (the model's weights only need to stream)."""
     return f"{library_name(cpu_identity())} weight prefetch {METHOD} {torch.get_num_threads()} threads"
 
 
@@ -51,16 +56,26 @@ def streamed_weights(model: CausalLM) -> list[GroupQuantWeight]:
     STREAMED_BYTES."""
     weights, total = [], 0
     for weight in model.quantized_weights():
-        if not isinstance(weight, GroupQuantWeight) or total + weight.nbytes > STREAMED_BYTES:
+        if not isinstance(weight, GroupQuantWeight):
             continue
+        if total + weight.nbytes > STREAMED_BYTES:
+            break
         weights.append(weight)
         total += weight.nbytes
     return weights
 
 
-def in_features(weight: GroupQuantWeight) -> int:
-    """K of codes laid out [N / 16, K * 16 * bits / 8] (kernels/quant_matmul.cpp)."""
-    return weight.codes.shape[1] * 8 // (16 * weight.bits)
+def largest_cache_bytes(caches: Path = CPU0_CACHES) -> int:
+    """The largest of the caches Linux lists for CPU 0 (0 where it lists none)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for index in caches.glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+            sizes.append(int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size))
+        except (OSError, ValueError, IndexError):
+            continue
+    return max(sizes, default=0)
 
 
 def measure_distances(
@@ -68,8 +83,8 @@ def measure_distances(
 ) -> dict[int, float]:
     """Distance -> the median over rounds of its pass's time over the round's mean pass time."""
     generator = torch.Generator().manual_seed(0)  # the engine's own random state stays as it was
-    rows = {k: torch.randn(1, k, generator=generator).to(dtype) for k in {in_features(w) for w in weights}}
-    inputs = [rows[in_features(w)] for w in weights]
+    rows = {k: torch.randn(1, k, generator=generator).to(dtype) for k in {w.in_features for w in weights}}
+    inputs = [rows[w.in_features] for w in weights]
     before = kernels.weight_prefetch_bytes()
     relative: dict[int, list[float]] = {distance: [] for distance in DISTANCES}
     try:
@@ -95,14 +110,17 @@ def measure_distances(
 
 def choose_weight_prefetch(model: CausalLM, kernels: ModuleType, dtype: torch.dtype) -> int:
     """Set the kernels' prefetch distance to this machine's best for streaming weights (measured once per
-    CPU and thread count, on a model of at least MIN_STREAMED_BYTES); returns it."""
+    CPU and thread count, on a model whose weights leave the caches); returns it."""
     weights = streamed_weights(model)
     key = prefetch_key()
     path = cache_file()
     cached = read_cache(path).get(key)
     if cached is not None:
         distance = int(cached["bytes"])
-    elif sum(w.nbytes for w in weights) < MIN_STREAMED_BYTES or not kernels.quant_matmul_supported():
+    elif (
+        sum(w.nbytes for w in weights) < max(MIN_STREAMED_BYTES, 2 * largest_cache_bytes())
+        or not kernels.quant_matmul_supported()
+    ):
         distance = DEFAULT_DISTANCE
     else:
         relative = measure_distances(weights, kernels, dtype)

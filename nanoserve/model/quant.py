@@ -79,6 +79,11 @@ class GroupQuantWeight:
         return self.codes.nbytes + self.scales.nbytes
 
     @property
+    def in_features(self) -> int:
+        """K, from the codes' layout [N / 16, K * 16 * bits / 8]."""
+        return self.codes.shape[1] * 8 // (16 * self.bits)
+
+    @property
     def symmetric(self) -> bool:
         """8-bit codes packed with their scales alone (offset -128 * scale)."""
         return self.bits == 8 and self.scales.numel() * GROUP_SIZE == self.codes.numel()

@@ -106,8 +106,8 @@ class ModelRunner:
                 # timed on the fused decoder, whichever path the engine runs: the limits (and so the
                 # tokens) must not depend on cpu_kernels
                 model.use_cpu_kernels(self.kernels)
+                choose_weight_prefetch(model, self.kernels, self.dtype)  # before timing whole steps on it
                 choose_quantized_steps(model, self.kernels, self.dtype, options.block_size)
-                choose_weight_prefetch(model, self.kernels, self.dtype)
                 if cpu_prepack_supported(self.dtype, self.device):
                     model.repack_for_quantized_steps(self.kernels)
             else:
