@@ -117,10 +117,7 @@ def choose_weight_prefetch(model: CausalLM, kernels: ModuleType, dtype: torch.dt
     cached = read_cache(path).get(key)
     if cached is not None:
         distance = int(cached["bytes"])
-    elif (
-        sum(w.nbytes for w in weights) < max(MIN_STREAMED_BYTES, 2 * largest_cache_bytes())
-        or not kernels.quant_matmul_supported()
-    ):
+    elif sum(w.nbytes for w in weights) < max(MIN_STREAMED_BYTES, 2 * largest_cache_bytes()):
         distance = DEFAULT_DISTANCE
     else:
         relative = measure_distances(weights, kernels, dtype)
