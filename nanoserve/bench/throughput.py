@@ -2,8 +2,10 @@
 
 Both engines get the same token-id prompts (32 tokens each), greedy, a fixed number of new tokens
 (EOS ignored), at each batch size; each nanoserve engine is also measured sampling (SAMPLED_TEMPERATURE, SAMPLED_TOP_P), since
-users sample. Output tokens per second are reported as min/median/max over repeats, and the ratios use
-the medians measured side by side in this one run. A second table gives,
+users sample. Output tokens per second are reported as min/median/max over repeats. Each repeat runs
+every column once, back to back (each other repeat in reverse order), and a ratio is the median (min-max) of the repeats' own ratios: on a
+shared machine whose speed drifts by a third over minutes, a pair measured seconds apart is compared
+under the same conditions, where two medians need not be. A second table gives,
 for each nanoserve engine, the weight bytes a decode step reads and the rate it read them at, beside
 this machine's read bandwidth measured in the same run (nanoserve.bench.bandwidth).
 """
@@ -139,6 +141,12 @@ def summarize(samples: list[float]) -> str:
     return f"{statistics.median(samples):7.1f} ({min(samples):.0f}-{max(samples):.0f})"
 
 
+def paired_ratio(tops: list[float], bottoms: list[float]) -> str:
+    """The median (min-max) over repeats of top / bottom, each pair from the same repeat."""
+    ratios = [top / bottom for top, bottom in zip(tops, bottoms, strict=True)]
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="nanoserve bench throughput", description=__doc__)
     parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: the bundled model)")
@@ -200,13 +208,14 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"model {model_path}\ndtype {dtype_name} ({args.dtype}), {torch.get_num_threads()} threads, "
         f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy and sampled "
-        f"(temperature {SAMPLED_TEMPERATURE}, top_p {SAMPLED_TOP_P}); tok/s as median (min-max) of {args.repeats}\n"
+        f"(temperature {SAMPLED_TEMPERATURE}, top_p {SAMPLED_TOP_P}); tok/s as median (min-max) of {args.repeats}; "
+        f"ratios as median (min-max) of each repeat's own\n"
     )
     # (numerator column, denominator column, title)
     ratios = [(labels[names[0]], labels[n], f"{names[0]}/{n}") for n in names[1:]]
     ratios += [(labels[n] + " sampled", labels[n], f"{n} sampled/greedy") for n in llms]
     header = f"{'batch':>5}" + "".join(f"  {label:>24}" for label, _, _ in columns)
-    header += "".join(f"  {title:>22}" for _, _, title in ratios)
+    header += "".join(f"  {title:>24}" for _, _, title in ratios)
     print(header)
     curves: dict[str, list[float]] = {label: [] for label, _, _ in columns}
     for batch in batch_sizes:
@@ -214,15 +223,14 @@ def main(argv: list[str] | None = None) -> None:
         samples: dict[str, list[float]] = {label: [] for label, _, _ in columns}
         for name in names:
             run(name, False, prompts, 4)  # warm-up
-        for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits every engine alike
-            for label, name, sampled in columns:
+        for repeat in range(args.repeats):  # interleaved, every other one reversed: no column always first
+            for label, name, sampled in columns if repeat % 2 == 0 else columns[::-1]:
                 samples[label].append(run(name, sampled, prompts, args.new_tokens))
-        medians = {label: statistics.median(v) for label, v in samples.items()}
         row = f"{batch:>5}" + "".join(f"  {summarize(samples[label]):>24}" for label, _, _ in columns)
-        row += "".join(f"  {medians[top] / medians[bottom]:>21.2f}x" for top, bottom, _ in ratios)
+        row += "".join(f"  {paired_ratio(samples[top], samples[bottom]):>24}" for top, bottom, _ in ratios)
         print(row, flush=True)
         for label in curves:
-            curves[label].append(medians[label])
+            curves[label].append(statistics.median(samples[label]))
     print_weight_rates(llms, batch_sizes, curves, labels, read_bandwidth())
     if args.plot:
         from nanoserve.bench.plot import plot_throughput

@@ -17,4 +17,13 @@ def test_throughput_table_has_a_sampled_column_and_ratio_per_engine(capsys):
     header = next(line for line in out.splitlines() if line.lstrip().startswith("batch"))
     assert "nanoserve (inproc) sampled" in header and "inproc sampled/greedy" in header
     row = next(line for line in out.splitlines() if line.lstrip().startswith("2 "))
-    assert re.fullmatch(r"\s*2(\s+[\d.]+ \(\d+-\d+\)){2}\s+\d+\.\d\dx", row), row
+    assert re.fullmatch(r"\s*2(\s+[\d.]+ \(\d+-\d+\)){2}\s+\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)", row), row
+
+
+def test_a_ratio_compares_each_repeat_with_itself():
+    """The machine slows fourfold in the second repeat: the top column is ahead in two repeats of three,
+    which the ratio says, where the medians' ratio (300 / 400) would say 0.75x."""
+    assert throughput.paired_ratio([600.0, 150.0, 300.0], [500.0, 125.0, 400.0]) == "1.20x (0.75-1.20)"
+    assert throughput.paired_ratio([3.0, 1.0, 2.0], [2.0, 2.0, 2.0]) == "1.00x (0.50-1.50)"
+    with pytest.raises(ValueError):
+        throughput.paired_ratio([1.0], [1.0, 2.0])
