@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from nanoserve import envs
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 RUNNERS = ("model", "null")
 QUANTIZATIONS = ("none", "auto", "int4", "int8")
 CPU_KERNEL_MODES = ("auto", "unfused", "off")
@@ -33,6 +34,10 @@ class EngineOptions:
     """HF folder or .gguf file; None selects the bundled SmolLM2-135M-Instruct GGUF."""
     dtype: str = "auto"
     """auto: bfloat16 where the CPU supports it natively (or on CUDA), else float32."""
+    kv_cache_dtype: str = "auto"
+    """auto: the model's dtype. bfloat16: cached K and V rounded to bfloat16 under a float32 (or float16)
+    model, as on a CPU without native bf16: half the bytes per cached token, so twice the tokens fit and
+    decode attention reads half as much; tokens may differ from a float32 cache's."""
     max_model_len: int | None = None
     """None: the model's own limit, reduced to what the KV cache can hold."""
     max_num_seqs: int = 128
@@ -124,6 +129,8 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}.")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}.")
         if self.cpu_kernels not in CPU_KERNEL_MODES:

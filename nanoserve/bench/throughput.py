@@ -98,7 +98,7 @@ def nanoserve_options(name: str) -> dict:
     quantizations = [s for s in suffixes if s in ("auto", "int4", "int8")]
     if (
         mode not in ("mp", "inproc")
-        or not set(suffixes) <= {"auto", "int4", "int8", "nokernels", "unfused"}
+        or not set(suffixes) <= {"auto", "int4", "int8", "nokernels", "unfused", "kvbf16"}
         or len(quantizations) > 1
         or {"nokernels", "unfused"} <= set(suffixes)
     ):
@@ -108,6 +108,7 @@ def nanoserve_options(name: str) -> dict:
         "multiprocess_mode": mode == "mp",
         "quantization": quantizations[0] if quantizations else "none",
         "cpu_kernels": kernels,
+        "kv_cache_dtype": "bfloat16" if "kvbf16" in suffixes else "auto",
     }
 
 
@@ -164,8 +165,9 @@ def main(argv: list[str] | None = None) -> None:
         "--engines",
         default="mp,transformers",
         help="comma-separated, first is the reference for ratios: mp (engine core in a child process) or "
-        "inproc (same process), each optionally followed by -int4, -int8 or -auto (--quantization) and/or "
-        "-nokernels (--cpu-kernels off) or -unfused (--cpu-kernels unfused), e.g. mp-int4; and transformers",
+        "inproc (same process), each optionally followed by -int4, -int8 or -auto (--quantization), "
+        "-nokernels (--cpu-kernels off) or -unfused (--cpu-kernels unfused) and -kvbf16 (--kv-cache-dtype "
+        "bfloat16), e.g. mp-int4; and transformers",
     )
     parser.add_argument("--profile", action="store_true", help="write a torch profiler trace of a decode run")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw tok/s against batch size")

@@ -322,12 +322,12 @@ def kv_cache_bytes_per_block(
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata) -> None:
-    """k, v: [T, num_kv_heads, head_dim] into their slots of the cache. (With the C++ kernels, the model
-    writes them while applying rotary embeddings instead.)"""
+    """k, v: [T, num_kv_heads, head_dim] into their slots of the cache, rounded to its dtype. (With the C++
+    kernels, the model writes them while applying rotary embeddings instead.)"""
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     slots = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
-    slots[0].index_copy_(1, attn.slot_mapping, k.transpose(0, 1))
-    slots[1].index_copy_(1, attn.slot_mapping, v.transpose(0, 1))
+    slots[0].index_copy_(1, attn.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
+    slots[1].index_copy_(1, attn.slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
 
 
 def paged_attention(
@@ -389,8 +389,8 @@ def _attend_group(
     num_kv_heads = blocks.shape[1]
     per_kv = num_heads // num_kv_heads
     num_seqs, max_q, ctx = group.num_seqs, group.max_query_len, group.context_len
-    # [2, num_kv_heads, num_seqs, ctx, head_dim], contiguous: the one copy of the context per layer
-    kv = blocks.index_select(2, group.block_index).view(2, num_kv_heads, num_seqs, ctx, head_dim)
+    # [2, num_kv_heads, num_seqs, ctx, head_dim], contiguous, in q's dtype: the one copy of the context per layer
+    kv = blocks.index_select(2, group.block_index).view(2, num_kv_heads, num_seqs, ctx, head_dim).to(q.dtype)
     if group.token_index is not None:
         q = q.index_select(0, group.token_index)
     # [num_seqs, max_q, num_kv_heads, per_kv, head_dim]

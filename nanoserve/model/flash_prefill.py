@@ -77,7 +77,11 @@ def attend_whole_prompts(
     for prompt in prompts:
         context = prompt.cached + prompt.length
         # [2, Hkv, context, D]: the prompt's blocks gathered, its padding cut
-        kv = kv_cache.index_select(2, prompt.blocks).view(2, num_kv_heads, -1, head_dim)[:, :, :context]
+        kv = (
+            kv_cache.index_select(2, prompt.blocks)
+            .view(2, num_kv_heads, -1, head_dim)[:, :, :context]
+            .to(q.dtype)
+        )
         query = q[prompt.start : prompt.start + prompt.length]
         if prompt.cached:
             query = torch.cat([query.new_zeros(prompt.cached, *query.shape[1:]), query])
@@ -118,14 +122,20 @@ def _elapsed(fn: Callable[[], torch.Tensor]) -> float:
 
 
 def time_ratio(
-    kernels: ModuleType, length: int, shape: tuple[int, int, int], dtype: torch.dtype, block_size: int
+    kernels: ModuleType,
+    length: int,
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    block_size: int,
+    kv_dtype: torch.dtype,
 ) -> float:
-    """SDPA's time over the C++ kernel's on one whole prompt, each the best of PASSES interleaved runs."""
+    """SDPA's time over the C++ kernel's on one whole prompt (a cache in kv_dtype), each the best of PASSES
+    interleaved runs."""
     num_heads, num_kv_heads, head_dim = shape
     blocks = -(-length // block_size)
     generator = torch.Generator().manual_seed(0)  # the engine's own random state stays as it was
     q = torch.randn(length, num_heads, head_dim, generator=generator).to(dtype)
-    kv_cache = torch.randn(2, num_kv_heads, blocks, block_size, head_dim, generator=generator).to(dtype)
+    kv_cache = torch.randn(2, num_kv_heads, blocks, block_size, head_dim, generator=generator).to(kv_dtype)
     prompts = [WholePrompt(0, length, torch.arange(blocks))]
     table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
     starts, lens = torch.tensor([0]), torch.tensor([length])
@@ -143,12 +153,18 @@ def time_ratio(
 
 
 def measure_min_query_len(
-    kernels: ModuleType, shape: tuple[int, int, int], dtype: torch.dtype, block_size: int
+    kernels: ModuleType,
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    block_size: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[int | None, dict[int, float]]:
     """The shortest whole-prompt length from which SDPA beat the C++ kernel at every measured length
-    (None: the kernel always won), with the ratios, timed at the engine's thread count."""
+    (None: the kernel always won), with the ratios, timed at the engine's thread count (kv_dtype: the
+    cache's, if not dtype)."""
+    cache_dtype = kv_dtype or dtype
     with torch.inference_mode():
-        ratios = {n: time_ratio(kernels, n, shape, dtype, block_size) for n in QUERY_LENS}
+        ratios = {n: time_ratio(kernels, n, shape, dtype, block_size, cache_dtype) for n in QUERY_LENS}
     min_len = None
     for length in reversed(QUERY_LENS):
         if ratios[length] >= 1.0:
@@ -158,15 +174,24 @@ def measure_min_query_len(
 
 
 def choose_min_query_len(
-    kernels: ModuleType, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int
+    kernels: ModuleType,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> int | None:
-    """measure_min_query_len's answer for this CPU, kernel build and head shape, measured once."""
-    key = f"{library_name(cpu_identity())} flash_prefill {dtype} {num_heads}x{num_kv_heads}x{head_dim}/{block_size}"
+    """measure_min_query_len's answer for this CPU, kernel build, head shape and dtypes, measured once."""
+    cache_dtype = kv_dtype or dtype
+    dtypes = f"{dtype}" if cache_dtype == dtype else f"{dtype} kv {cache_dtype}"
+    key = f"{library_name(cpu_identity())} flash_prefill {dtypes} {num_heads}x{num_kv_heads}x{head_dim}/{block_size}"
     path = cache_file()
     cached = read_cache(path).get(key)
     if cached is not None:
         return cached["min_query_len"]
-    min_len, ratios = measure_min_query_len(kernels, (num_heads, num_kv_heads, head_dim), dtype, block_size)
+    shape = (num_heads, num_kv_heads, head_dim)
+    min_len, ratios = measure_min_query_len(kernels, shape, dtype, block_size, cache_dtype)
     write_cache(path, read_cache(path) | {key: {"min_query_len": min_len, "ratios": ratios}})
     logger.info(
         "prefill attention of whole prompts: %s (SDPA time / C++ kernel time: %s)",

@@ -63,6 +63,7 @@ class ModelRunner:
         self.config = serving_config(load_model_config(self.model_path), options.max_model_len)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
+        self.kv_cache_dtype = torch.bfloat16 if options.kv_cache_dtype == "bfloat16" else self.dtype
         self.vocab_size = self.config.vocab_size
         self.max_model_len = self.config.max_position_embeddings
         self.sliding_window = self.config.kv_window
@@ -73,8 +74,13 @@ class ModelRunner:
         start = time.perf_counter()
         self.model: CausalLM | None = self._load()
         """None after sleep(level=2) dropped the weights."""
+        kv_note = "" if self.kv_cache_dtype == self.dtype else f", KV cache {self.kv_cache_dtype}"
         logger.info(
-            "loaded %s (%s) in %.1f s", self.config.name, self.dtype_name, time.perf_counter() - start
+            "loaded %s (%s%s) in %.1f s",
+            self.config.name,
+            self.dtype_name,
+            kv_note,
+            time.perf_counter() - start,
         )
         self.sampler = Sampler(options.seed, self.kernels)
         self.flash_min_query_len = None
@@ -83,7 +89,13 @@ class ModelRunner:
         if self.kernels is not None:
             c = self.config
             self.flash_min_query_len = choose_min_query_len(
-                self.kernels, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype, options.block_size
+                self.kernels,
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                self.dtype,
+                options.block_size,
+                kv_dtype=self.kv_cache_dtype,
             )
         self.max_decode_query_len = 1 + options.spec_num_tokens if options.speculative != "none" else 1
         """A decode with its drafts is verified on the decode path (see build_attention_metadata)."""
@@ -125,7 +137,7 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         c = self.config
         return kv_cache_bytes_per_block(
-            c.num_layers, self.options.block_size, c.num_kv_heads, c.head_dim, self.dtype
+            c.num_layers, self.options.block_size, c.num_kv_heads, c.head_dim, self.kv_cache_dtype
         )
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -136,7 +148,7 @@ class ModelRunner:
             self.options.block_size,
             c.num_kv_heads,
             c.head_dim,
-            self.dtype,
+            self.kv_cache_dtype,
             self.device,
         )
 

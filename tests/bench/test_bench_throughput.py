@@ -27,3 +27,16 @@ def test_a_ratio_compares_each_repeat_with_itself():
     assert throughput.paired_ratio([3.0, 1.0, 2.0], [2.0, 2.0, 2.0]) == "1.00x (0.50-1.50)"
     with pytest.raises(ValueError):
         throughput.paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_engine_names_spell_their_options():
+    assert throughput.nanoserve_options("inproc-int4-kvbf16") == {
+        "multiprocess_mode": False,
+        "quantization": "int4",
+        "cpu_kernels": "auto",
+        "kv_cache_dtype": "bfloat16",
+    }
+    assert throughput.nanoserve_options("mp-nokernels")["kv_cache_dtype"] == "auto"
+    for name in ("mp-kvfp8", "gpu", "mp-int4-int8", "mp-nokernels-unfused"):
+        with pytest.raises(ValueError, match="unknown engine"):
+            throughput.nanoserve_options(name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="module")
@@ -14,3 +15,12 @@ def kernels():
     if module is None:
         pytest.skip("the C++ kernels cannot be built on this machine")
     return module
+
+
+@pytest.fixture
+def two_threads():
+    """The split of attention into parts depends on the thread count: make it the same on every machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)

@@ -36,15 +36,6 @@ def _reference(q, kv_cache, block_table, seq_lens, window=0, softcap=0.0):
     return torch.stack(out)
 
 
-@pytest.fixture
-def two_threads():
-    """The split into parts depends on the thread count: make it the same on every machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 CASES = {
     "batch": (6, 2, [1, 16, 17, 95, 300]),
     # fewer (sequence, KV head) tasks than threads can share: long contexts split into parts, the short

@@ -119,14 +119,23 @@ def test_the_choice_is_measured_once_per_cpu_and_shape(kernels, monkeypatch, tmp
     monkeypatch.setattr(flash_prefill, "cache_file", lambda: tmp_path / "choice.json")
     measured = []
 
-    def measure(kernels, shape, dtype, block_size):
-        measured.append(shape)
+    def measure(kernels, shape, dtype, block_size, kv_dtype):
+        measured.append((shape, dtype, kv_dtype))
         return 128, {n: 1.5 if n < 128 else 0.5 for n in QUERY_LENS}
 
     monkeypatch.setattr(flash_prefill, "measure_min_query_len", measure)
     assert [choose_min_query_len(kernels, 4, 2, 64, torch.bfloat16, 16) for _ in range(2)] == [128, 128]
     assert choose_min_query_len(kernels, 8, 2, 64, torch.bfloat16, 16) == 128
-    assert measured == [(4, 2, 64), (8, 2, 64)]  # the second engine of a shape reads the first's
+    # a float32 model over a bf16 cache is measured on such a cache, apart from one over a float32 cache
+    for kv_dtype in (torch.bfloat16, torch.bfloat16, torch.float32, None):
+        assert choose_min_query_len(kernels, 4, 2, 64, torch.float32, 16, kv_dtype=kv_dtype) == 128
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert measured == [  # the second engine of a shape and dtypes reads the first's
+        ((4, 2, 64), bf16, bf16),
+        ((8, 2, 64), bf16, bf16),
+        ((4, 2, 64), f32, bf16),
+        ((4, 2, 64), f32, f32),
+    ]
 
 
 @pytest.mark.parametrize(

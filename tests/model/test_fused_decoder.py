@@ -212,14 +212,19 @@ def _check_regions(engine: EngineCore, prompts: list[list[int]]) -> RegionChecki
 
 
 @pytest.mark.parametrize(
-    "dtype, quantization", [("bfloat16", "int4"), ("float32", "int4"), ("float32", "none")]
+    "dtype, quantization, kv_cache_dtype",
+    [
+        ("bfloat16", "int4", "auto"),
+        ("float32", "int4", "auto"),
+        ("float32", "none", "auto"),
+        ("float32", "int4", "bfloat16"),
+    ],
 )
-def test_one_region_step_gives_the_kernel_after_kernel_bits(fused_dir, dtype, quantization):
+def test_one_region_step_gives_the_kernel_after_kernel_bits(fused_dir, dtype, quantization, kv_cache_dtype):
     if quantization != "none":
         needs_quant_matmul()
-    checking = _check_regions(
-        _engine(fused_dir, "auto", dtype=dtype, quantization=quantization), _prompts(6, seed=4)
-    )
+    engine = _engine(fused_dir, "auto", dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    checking = _check_regions(engine, _prompts(6, seed=4))
     assert checking.region_steps > 0 and {1, 6} <= checking.batch_sizes
 
 

@@ -150,11 +150,12 @@ inline void add_weighted_rows(const float* p, const float* v, int64_t n, int64_t
 
 // scores[h * stride + t] = scale * q_h . k_t for the n cached K rows of one block (query: q * scale); the AVX2
 // path also writes up to 7 lanes past n
-template <typename T, int FIXED_D>
-inline void score_rows(const T* k, int64_t n, int64_t D, int64_t per_kv, const T* q, const float* query,
+template <typename T, typename KV, int FIXED_D>
+inline void score_rows(const KV* k, int64_t n, int64_t D, int64_t per_kv, const T* q, const float* query,
                        float scale, float* row, float* scores, int64_t stride) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16> && FIXED_D > 0 && FIXED_D % 32 == 0) {  // bf16 pairs from the cache
+  if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<KV, at::BFloat16> && FIXED_D > 0 &&
+                FIXED_D % 32 == 0) {  // bf16 pairs from the cache
     constexpr int PAIRS = FIXED_D / 32;  // registers of 32 bf16 a row
     for (int64_t first = 0; first < n; first += 16, k += 16 * FIXED_D) {  // 16 keys' dot products, then their sums
       const int64_t keys = std::min<int64_t>(16, n - first);
@@ -177,7 +178,7 @@ inline void score_rows(const T* k, int64_t n, int64_t D, int64_t per_kv, const T
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (FIXED_D > 0 && FIXED_D % 8 == 0) {
-    score_rows_avx2<T, FIXED_D>(k, n, per_kv, query, scores, stride);
+    score_rows_avx2<KV, FIXED_D>(k, n, per_kv, query, scores, stride);
     return;
   }
 #endif
@@ -197,8 +198,8 @@ constexpr int64_t PREFETCH_PIECES = 2;  // calls a block: one before its scores,
 constexpr int64_t MIN_PART_TOKENS = 32;
 constexpr int64_t CHUNK_TOKENS = 64;
 
-template <typename T, int FIXED_D>
-void decode_attention_for_head_dim(const T* q, const T* kv, const int32_t* block_table, const int64_t* seq_lens,
+template <typename T, typename KV, int FIXED_D>
+void decode_attention_for_head_dim(const T* q, const KV* kv, const int32_t* block_table, const int64_t* seq_lens,
                                    const DecodeAttentionShape& shape, float scale, int64_t window, float softcap,
                                    const AttentionSplit& split, float* scratch, T* out) {
   const int64_t num_heads = shape.num_heads, num_kv_heads = shape.num_kv_heads, num_blocks = shape.num_blocks;
@@ -229,7 +230,7 @@ void decode_attention_for_head_dim(const T* q, const T* kv, const int32_t* block
     // 32 sequences over 160 cached tokens took 5.5-5.7 ms a step (30 layers) where whole blocks took 7.5-7.8
     // into L1 and 6.8 into L2, and pieces into L1 7.6. Inlined by force: GCC counts a prefetch as no effect,
     // and would drop a call to a function that does nothing else.
-    const int64_t block_bytes = block_size * D * int64_t(sizeof(T));
+    const int64_t block_bytes = block_size * D * int64_t(sizeof(KV));
     const int64_t piece_bytes = (block_bytes / PREFETCH_PIECES + 63) / 64 * 64;
     int64_t ahead_item = begin, ahead_block = begin < end ? item_start(begin) / block_size : 0, ahead_byte = 0;
     int64_t blocks_asked = 0, blocks_read = 0;  // counted along this thread's items
@@ -272,8 +273,8 @@ void decode_attention_for_head_dim(const T* q, const T* kv, const int32_t* block
       std::fill(acc, acc + per_kv * D, 0.f);
       std::fill(max_score, max_score + per_kv, -INFINITY);
       std::fill(total, total + per_kv, 0.f);
-      const T* k_head = kv + kv_head * head_stride;
-      const T* v_head = k_head + v_offset;
+      const KV* k_head = kv + kv_head * head_stride;
+      const KV* v_head = k_head + v_offset;
       // f(slot, offset, n) for the chunk's runs of positions within one cache block: the first one's cache
       // slot, its offset in the chunk and the run's length
       auto for_each_run = [&](int64_t chunk_start, int64_t chunk_stop, auto f) __attribute__((always_inline)) {
@@ -290,7 +291,7 @@ void decode_attention_for_head_dim(const T* q, const T* kv, const int32_t* block
         for_each_run(chunk_start, chunk_stop, [&](int64_t slot, int64_t offset, int64_t n) {
           ++blocks_read;
           prefetch_piece();
-          score_rows<T, FIXED_D>(k_head + slot * D, n, D, per_kv, q_seq, query.data(), scale, row.data(),
+          score_rows<T, KV, FIXED_D>(k_head + slot * D, n, D, per_kv, q_seq, query.data(), scale, row.data(),
                                  scores.data() + offset, stride);
         });
         for (int64_t h = 0; h < per_kv; ++h) {
@@ -312,23 +313,23 @@ void decode_attention_for_head_dim(const T* q, const T* kv, const int32_t* block
         }
         for_each_run(chunk_start, chunk_stop, [&](int64_t slot, int64_t offset, int64_t n) {
           prefetch_piece();
-          const T* v = v_head + slot * D;
+          const KV* v = v_head + slot * D;
 #if defined(__AVX512F__)
           if constexpr (FIXED_D > 0 && FIXED_D % 16 == 0) {
             for (int64_t h = 0; h < per_kv; h += 4) {  // up to 4 heads' sums in registers at once
               const float* p = scores.data() + h * stride + offset;
               switch (std::min<int64_t>(4, per_kv - h)) {
-                case 1: add_weighted_heads_avx512<T, FIXED_D, 1>(p, stride, v, n, acc + h * D); break;
-                case 2: add_weighted_heads_avx512<T, FIXED_D, 2>(p, stride, v, n, acc + h * D); break;
-                case 3: add_weighted_heads_avx512<T, FIXED_D, 3>(p, stride, v, n, acc + h * D); break;
-                default: add_weighted_heads_avx512<T, FIXED_D, 4>(p, stride, v, n, acc + h * D);
+                case 1: add_weighted_heads_avx512<KV, FIXED_D, 1>(p, stride, v, n, acc + h * D); break;
+                case 2: add_weighted_heads_avx512<KV, FIXED_D, 2>(p, stride, v, n, acc + h * D); break;
+                case 3: add_weighted_heads_avx512<KV, FIXED_D, 3>(p, stride, v, n, acc + h * D); break;
+                default: add_weighted_heads_avx512<KV, FIXED_D, 4>(p, stride, v, n, acc + h * D);
               }
             }
             return;
           }
 #endif
           const float* v_rows = rows.data();
-          if constexpr (std::is_same_v<T, float>)
+          if constexpr (std::is_same_v<KV, float>)
             v_rows = v;  // read in place
           else
             for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(v[i]);
@@ -384,8 +385,6 @@ AttentionSplit attention_split(const int64_t* seq_lens, int64_t num_seqs, int64_
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                                      torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous());
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and the KV cache must share a dtype");
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat32, "bfloat16 or float32 only");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt64);
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = kv_cache.size(1);
   auto out = torch::empty({num_seqs, num_heads * head_dim}, q.options());
@@ -394,14 +393,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   std::vector<float> scratch(split.scratch_floats(num_heads / num_kv_heads, head_dim));
   const DecodeAttentionShape shape{num_heads, num_kv_heads, head_dim, kv_cache.size(2), kv_cache.size(3),
                                    block_table.size(1)};
-  if (q.scalar_type() == torch::kBFloat16)
-    raw::decode_attention(q.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>(),
-                          block_table.data_ptr<int32_t>(), lens.data_ptr<int64_t>(), shape, scale, window, softcap,
-                          split, scratch.data(), out.data_ptr<at::BFloat16>());
-  else
-    raw::decode_attention(q.data_ptr<float>(), kv_cache.data_ptr<float>(), block_table.data_ptr<int32_t>(),
+  with_attention_types(q.scalar_type(), kv_cache.scalar_type(), [&](auto t, auto kv) {
+    using T = decltype(t);
+    using KV = decltype(kv);
+    raw::decode_attention(q.data_ptr<T>(), kv_cache.data_ptr<KV>(), block_table.data_ptr<int32_t>(),
                           lens.data_ptr<int64_t>(), shape, scale, window, softcap, split, scratch.data(),
-                          out.data_ptr<float>());
+                          out.data_ptr<T>());
+  });
   return out;
 }
 
@@ -495,10 +493,20 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 
 namespace {
 
-template <typename T>
-void rope_rows(const T* qkv, const T* cos_sin, T* q_out, T* cache, const int64_t* slots, int64_t num_tokens,
+// x rotated by cos and sin into dst, rounded to dst's dtype (a bf16 cache's K rows from float32 ones)
+template <typename T, typename OUT>
+inline void rotate_row(const T* x, const T* cos, const T* sin, OUT* dst, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t i = 0; i < half; ++i)  // two loops without a select: both vectorize
+    dst[i] = static_cast<OUT>(to_float(x[i]) * to_float(cos[i]) + to_float(x[i + half]) * to_float(sin[i]));
+  for (int64_t i = half; i < head_dim; ++i)
+    dst[i] = static_cast<OUT>(to_float(x[i]) * to_float(cos[i]) + to_float(x[i - half]) * to_float(sin[i]));
+}
+
+template <typename T, typename KV>
+void rope_rows(const T* qkv, const T* cos_sin, T* q_out, KV* cache, const int64_t* slots, int64_t num_tokens,
                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head) {
-  const int64_t half = head_dim / 2, row = (num_heads + 2 * num_kv_heads) * head_dim;
+  const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
   split_work(0, num_tokens, raw::ROPE_GRAIN_TOKENS, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* cos = cos_sin + t * 2 * head_dim;  // [cos, cos]
@@ -506,21 +514,18 @@ void rope_rows(const T* qkv, const T* cos_sin, T* q_out, T* cache, const int64_t
       const T* src = qkv + t * row;
       for (int64_t h = 0; h < num_heads + 2 * num_kv_heads; ++h) {
         const T* x = src + h * head_dim;
-        T* dst;
         if (h < num_heads) {
-          dst = q_out + (t * num_heads + h) * head_dim;
-        } else {
-          const int64_t kv = h < num_heads + num_kv_heads ? 0 : 1, kv_head = (h - num_heads) % num_kv_heads;
-          dst = cache + ((kv * num_kv_heads + kv_head) * slots_per_head + slots[t]) * head_dim;
-          if (kv == 1) {
-            std::memcpy(dst, x, head_dim * sizeof(T));
-            continue;
-          }
+          rotate_row(x, cos, sin, q_out + (t * num_heads + h) * head_dim, head_dim);
+          continue;
         }
-        for (int64_t i = 0; i < half; ++i)  // two loops without a select: both vectorize
-          dst[i] = static_cast<T>(to_float(x[i]) * to_float(cos[i]) + to_float(x[i + half]) * to_float(sin[i]));
-        for (int64_t i = half; i < head_dim; ++i)
-          dst[i] = static_cast<T>(to_float(x[i]) * to_float(cos[i]) + to_float(x[i - half]) * to_float(sin[i]));
+        const int64_t kv = h < num_heads + num_kv_heads ? 0 : 1, kv_head = (h - num_heads) % num_kv_heads;
+        KV* dst = cache + ((kv * num_kv_heads + kv_head) * slots_per_head + slots[t]) * head_dim;
+        if (kv == 0)
+          rotate_row(x, cos, sin, dst, head_dim);
+        else if constexpr (std::is_same_v<T, KV>)
+          std::memcpy(dst, x, head_dim * sizeof(T));
+        else
+          for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<KV>(x[i]);
       }
     }
   });
@@ -550,21 +555,18 @@ void act_mul_rows(const T* x, T* out, int64_t rows, int64_t width) {
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor kv_cache,
                             torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
   TORCH_CHECK(qkv.is_contiguous() && cos_sin.is_contiguous() && kv_cache.is_contiguous());
-  TORCH_CHECK(qkv.scalar_type() == kv_cache.scalar_type() && cos_sin.scalar_type() == kv_cache.scalar_type());
+  TORCH_CHECK(cos_sin.scalar_type() == qkv.scalar_type());
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous());
   const int64_t num_tokens = qkv.size(0), head_dim = kv_cache.size(4);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim && head_dim % 2 == 0);
   auto q = torch::empty({num_tokens, num_heads, head_dim}, qkv.options());
   const int64_t slots_per_head = kv_cache.size(2) * kv_cache.size(3);
-  if (qkv.scalar_type() == torch::kBFloat16) {
-    rope_rows(qkv.data_ptr<at::BFloat16>(), cos_sin.data_ptr<at::BFloat16>(), q.data_ptr<at::BFloat16>(),
-              kv_cache.data_ptr<at::BFloat16>(), slot_mapping.data_ptr<int64_t>(), num_tokens, num_heads,
-              num_kv_heads, head_dim, slots_per_head);
-  } else {
-    TORCH_CHECK(qkv.scalar_type() == torch::kFloat32, "bfloat16 or float32 only");
-    rope_rows(qkv.data_ptr<float>(), cos_sin.data_ptr<float>(), q.data_ptr<float>(), kv_cache.data_ptr<float>(),
+  with_attention_types(qkv.scalar_type(), kv_cache.scalar_type(), [&](auto t, auto kv) {
+    using T = decltype(t);
+    using KV = decltype(kv);
+    rope_rows(qkv.data_ptr<T>(), cos_sin.data_ptr<T>(), q.data_ptr<T>(), kv_cache.data_ptr<KV>(),
               slot_mapping.data_ptr<int64_t>(), num_tokens, num_heads, num_kv_heads, head_dim, slots_per_head);
-  }
+  });
   return q;
 }
 
@@ -620,8 +622,8 @@ void add_bias(T* x, const T* bias, int64_t rows, int64_t width) {
   });
 }
 
-template <typename T>
-void rope_write_kv(const T* qkv, const T* cos_sin, T* q, T* cache, const int64_t* slots, int64_t tokens,
+template <typename T, typename KV>
+void rope_write_kv(const T* qkv, const T* cos_sin, T* q, KV* cache, const int64_t* slots, int64_t tokens,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head) {
   rope_rows(qkv, cos_sin, q, cache, slots, tokens, num_heads, num_kv_heads, head_dim, slots_per_head);
 }
@@ -631,21 +633,21 @@ void act_and_mul(bool gelu, const T* x, T* out, int64_t rows, int64_t width) {
   (gelu ? act_mul_rows<T, gelu_tanh> : act_mul_rows<T, silu>)(x, out, rows, width);
 }
 
-template <typename T>
-void decode_attention(const T* q, const T* kv_cache, const int32_t* block_table, const int64_t* seq_lens,
+template <typename T, typename KV>
+void decode_attention(const T* q, const KV* kv_cache, const int32_t* block_table, const int64_t* seq_lens,
                       const DecodeAttentionShape& shape, double scale, int64_t window, double softcap,
                       const AttentionSplit& split, float* scratch, T* out) {
   const float scale_f = static_cast<float>(scale), softcap_f = static_cast<float>(softcap);
   switch (shape.head_dim) {
 #define NANOSERVE_HEAD_DIM(D)                                                                           \
   case D:                                                                                               \
-    return decode_attention_for_head_dim<T, D>(q, kv_cache, block_table, seq_lens, shape, scale_f, window, \
-                                               softcap_f, split, scratch, out);
+    return decode_attention_for_head_dim<T, KV, D>(q, kv_cache, block_table, seq_lens, shape, scale_f, window, \
+                                                   softcap_f, split, scratch, out);
     NANOSERVE_FOR_EACH_HEAD_DIM(NANOSERVE_HEAD_DIM)
 #undef NANOSERVE_HEAD_DIM
     default:
-      decode_attention_for_head_dim<T, 0>(q, kv_cache, block_table, seq_lens, shape, scale_f, window, softcap_f,
-                                          split, scratch, out);
+      decode_attention_for_head_dim<T, KV, 0>(q, kv_cache, block_table, seq_lens, shape, scale_f, window, softcap_f,
+                                              split, scratch, out);
   }
 }
 
@@ -654,14 +656,21 @@ void decode_attention(const T* q, const T* kv_cache, const int32_t* block_table,
   template void norm_heads(T*, const T*, const T*, int64_t, int64_t, int64_t, int64_t, float);                   \
   template void add_rms_norm(const T*, const T*, T*, const T*, T*, int64_t, int64_t, float);                     \
   template void add_bias(T*, const T*, int64_t, int64_t);                                                        \
-  template void rope_write_kv(const T*, const T*, T*, T*, const int64_t*, int64_t, int64_t, int64_t, int64_t,    \
-                              int64_t);                                                                          \
-  template void act_and_mul(bool, const T*, T*, int64_t, int64_t);                                               \
-  template void decode_attention(const T*, const T*, const int32_t*, const int64_t*, const DecodeAttentionShape&, \
-                                 double, int64_t, double, const AttentionSplit&, float*, T*);
+  template void act_and_mul(bool, const T*, T*, int64_t, int64_t);
 NANOSERVE_RAW_KERNELS(at::BFloat16)
 NANOSERVE_RAW_KERNELS(float)
 #undef NANOSERVE_RAW_KERNELS
+
+// the pairs of with_attention_types
+#define NANOSERVE_ATTENTION_KERNELS(T, KV)                                                                          \
+  template void rope_write_kv(const T*, const T*, T*, KV*, const int64_t*, int64_t, int64_t, int64_t, int64_t,      \
+                              int64_t);                                                                             \
+  template void decode_attention(const T*, const KV*, const int32_t*, const int64_t*, const DecodeAttentionShape&,  \
+                                 double, int64_t, double, const AttentionSplit&, float*, T*);
+NANOSERVE_ATTENTION_KERNELS(at::BFloat16, at::BFloat16)
+NANOSERVE_ATTENTION_KERNELS(float, float)
+NANOSERVE_ATTENTION_KERNELS(float, at::BFloat16)
+#undef NANOSERVE_ATTENTION_KERNELS
 
 }  // namespace raw
 

@@ -151,9 +151,10 @@ class FusedDecoder {
     auto [x, cos_sin, slot_mapping] = step_inputs(token_ids, kv_caches[0].size(3), block_table, seq_lens);
     if (one_region && one_region_at(x.size(0)) &&
         inputs_fit_one_region(x, cos_sin, kv_caches, slot_mapping, block_table, seq_lens)) {
-      return x.scalar_type() == at::kBFloat16
-                 ? forward_in_one_region<at::BFloat16>(x, cos_sin, kv_caches, slot_mapping, block_table, seq_lens)
-                 : forward_in_one_region<float>(x, cos_sin, kv_caches, slot_mapping, block_table, seq_lens);
+      return with_attention_types(x.scalar_type(), kv_caches[0].scalar_type(), [&](auto t, auto kv) {
+        return forward_in_one_region<decltype(t), decltype(kv)>(x, cos_sin, kv_caches, slot_mapping, block_table,
+                                                                seq_lens);
+      });
     }
     auto attend = [&](const at::Tensor& q, const at::Tensor& cache, int64_t window) {
       return paged_decode_attention(q, cache, block_table, seq_lens, scale_, window, softcap_);
@@ -296,13 +297,15 @@ class FusedDecoder {
     return {x, cos_sin, slots};
   }
 
-  // ... and whether the step's inputs do: the weights' dtype, contiguous
+  // ... and whether the step's inputs do: the weights' dtype, contiguous, every cache in one dtype that the
+  // attention kernels take with it (with_attention_types)
   bool inputs_fit_one_region(const at::Tensor& x, const at::Tensor& cos_sin, const std::vector<at::Tensor>& kv_caches,
                              const at::Tensor& slot_mapping, const at::Tensor& block_table,
                              const at::Tensor& seq_lens) const {
-    const auto dtype = final_norm_.scalar_type();
+    const auto dtype = final_norm_.scalar_type(), cache_dtype = kv_caches[0].scalar_type();
+    if (cache_dtype != dtype && !(dtype == at::kFloat && cache_dtype == at::kBFloat16)) return false;
     for (const at::Tensor& cache : kv_caches)  // the region reads every layer's cache with the first one's sizes
-      if (cache.scalar_type() != dtype || !cache.is_contiguous() || cache.sizes() != kv_caches[0].sizes() ||
+      if (cache.scalar_type() != cache_dtype || !cache.is_contiguous() || cache.sizes() != kv_caches[0].sizes() ||
           cache.size(1) != num_kv_heads_ || cache.size(4) != head_dim_)
         return false;
     return x.scalar_type() == dtype && x.is_contiguous() && cos_sin.scalar_type() == dtype && cos_sin.is_contiguous() &&
@@ -311,7 +314,7 @@ class FusedDecoder {
            seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous();
   }
 
-  template <typename T>
+  template <typename T, typename KV>
   at::Tensor forward_in_one_region(const at::Tensor& x, const at::Tensor& cos_sin,
                                    const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                                    const at::Tensor& block_table, const at::Tensor& seq_lens) const {
@@ -344,8 +347,8 @@ class FusedDecoder {
     T *gu = gate_up.data_ptr<T>(), *ac = act.data_ptr<T>();
     const float eps = static_cast<float>(eps_);
     const std::vector<RegionLayer<T>>& layers = layers_in_region<T>();
-    std::vector<T*> caches;
-    for (const at::Tensor& cache : kv_caches) caches.push_back(cache.data_ptr<T>());
+    std::vector<KV*> caches;
+    for (const at::Tensor& cache : kv_caches) caches.push_back(cache.data_ptr<KV>());
     const int64_t slots_per_head = kv_caches[0].size(2) * kv_caches[0].size(3);
     const DecodeAttentionShape shape{num_heads_, num_kv_heads_, head_dim_, kv_caches[0].size(2), kv_caches[0].size(3),
                                      block_table.size(1)};

@@ -39,6 +39,19 @@ inline __m512 load16f(const at::BFloat16* p) {
 #endif
 
 // The head sizes the attention kernels compile as constants (others take their generic path).
+// f(T{}, KV{}) for the pairs of activation and KV cache dtypes the attention kernels take: both bfloat16, both
+// float32, or float32 activations over a bfloat16 cache (--kv-cache-dtype bfloat16: half the bytes per token)
+template <typename F>
+decltype(auto) with_attention_types(at::ScalarType activations, at::ScalarType cache, F&& f) {
+  const bool same = activations == cache && (cache == at::kBFloat16 || cache == at::kFloat);
+  TORCH_CHECK(same || (activations == at::kFloat && cache == at::kBFloat16),
+              "attention takes bfloat16 or float32 activations over a KV cache of their dtype, or float32 over "
+              "bfloat16; got ", activations, " over ", cache);
+  if (cache == at::kFloat) return f(float{}, float{});
+  if (activations == at::kBFloat16) return f(at::BFloat16{}, at::BFloat16{});
+  return f(float{}, at::BFloat16{});
+}
+
 #define NANOSERVE_FOR_EACH_HEAD_DIM(CASE) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(256)
 
 // How decode attention shares its work: a task per (sequence, KV head) and, with fewer tasks than threads
@@ -137,8 +150,8 @@ template <typename T>
 void add_bias(T* x, const T* bias, int64_t rows, int64_t width);
 // rope_write_kv's grain: up to this many tokens, thread 0 alone rotates them and writes their K and V rows
 constexpr int64_t ROPE_GRAIN_TOKENS = 4;
-template <typename T>
-void rope_write_kv(const T* qkv, const T* cos_sin, T* q, T* cache, const int64_t* slots, int64_t tokens,
+template <typename T, typename KV>
+void rope_write_kv(const T* qkv, const T* cos_sin, T* q, KV* cache, const int64_t* slots, int64_t tokens,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head);
 template <typename T>
 void act_and_mul(bool gelu, const T* x, T* out, int64_t rows, int64_t width);
@@ -148,8 +161,8 @@ void quant_matmul(const T* x, int64_t rows, int64_t k, const uint8_t* codes, con
 // x [rows, k] @ weight [n, k].T -> out [rows, n], float32 throughout
 void dense_matmul(const float* x, int64_t rows, int64_t k, const float* weight, int64_t n, float* out);
 // paged_decode_attention into out [S, H * D], with the split's scratch
-template <typename T>
-void decode_attention(const T* q, const T* kv_cache, const int32_t* block_table, const int64_t* seq_lens,
+template <typename T, typename KV>
+void decode_attention(const T* q, const KV* kv_cache, const int32_t* block_table, const int64_t* seq_lens,
                       const DecodeAttentionShape& shape, double scale, int64_t window, double softcap,
                       const AttentionSplit& split, float* scratch, T* out);
 }  // namespace raw

@@ -538,8 +538,8 @@ void attend_tile(const T* q, const PackedContext& context, T* out, const Layout&
   }
 }
 
-template <typename T, int FIXED_D>
-void prefill_attention(const T* q, const T* kv, const int32_t* block_table, const int64_t* query_starts,
+template <typename T, typename KV, int FIXED_D>
+void prefill_attention(const T* q, const KV* kv, const int32_t* block_table, const int64_t* query_starts,
                        const int64_t* query_lens, const int64_t* seq_lens, T* out, int64_t num_seqs,
                        const Layout& L, int64_t head_dim, float scale, int64_t window, float softcap) {
   struct Task {
@@ -556,7 +556,8 @@ void prefill_attention(const T* q, const T* kv, const int32_t* block_table, cons
   auto tile_end = [&](const Task& t) { return seq_lens[t.seq] - query_lens[t.seq] + t.first_query; };
   std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) { return tile_end(a) > tile_end(b); });
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  constexpr bool PAIRS = HAS_PAIR_DOTS && std::is_same_v<T, at::BFloat16> && FIXED_D > 0 && FIXED_D % 16 == 0;
+  constexpr bool PAIRS = HAS_PAIR_DOTS && std::is_same_v<T, at::BFloat16> && std::is_same_v<KV, at::BFloat16> &&
+                         FIXED_D > 0 && FIXED_D % 16 == 0;
   std::vector<PackedContext> contexts(num_seqs * L.num_kv_heads);
   const int threads = at::get_num_threads();
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -606,20 +607,20 @@ void prefill_attention(const T* q, const T* kv, const int32_t* block_table, cons
   }
 }
 
-template <typename T>
-void prefill_attention_any(int64_t head_dim, const T* q, const T* kv, const int32_t* block_table,
+template <typename T, typename KV>
+void prefill_attention_any(int64_t head_dim, const T* q, const KV* kv, const int32_t* block_table,
                            const int64_t* query_starts, const int64_t* query_lens, const int64_t* seq_lens, T* out,
                            int64_t num_seqs, const Layout& L, float scale, int64_t window, float softcap) {
   switch (head_dim) {
 #define NANOSERVE_HEAD_DIM(D)                                                                                 \
   case D:                                                                                                     \
-    return prefill_attention<T, D>(q, kv, block_table, query_starts, query_lens, seq_lens, out, num_seqs, L, \
-                                   head_dim, scale, window, softcap);
+    return prefill_attention<T, KV, D>(q, kv, block_table, query_starts, query_lens, seq_lens, out, num_seqs, \
+                                       L, head_dim, scale, window, softcap);
     NANOSERVE_FOR_EACH_HEAD_DIM(NANOSERVE_HEAD_DIM)
 #undef NANOSERVE_HEAD_DIM
     default:
-      prefill_attention<T, 0>(q, kv, block_table, query_starts, query_lens, seq_lens, out, num_seqs, L, head_dim,
-                              scale, window, softcap);
+      prefill_attention<T, KV, 0>(q, kv, block_table, query_starts, query_lens, seq_lens, out, num_seqs, L, head_dim,
+                                  scale, window, softcap);
   }
 }
 
@@ -634,7 +635,6 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, t
                                       torch::Tensor query_starts, torch::Tensor query_lens, torch::Tensor seq_lens,
                                       double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous());
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and the KV cache must share a dtype");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32);
   auto starts = query_starts.to(torch::kInt64).contiguous();
   auto q_lens = query_lens.to(torch::kInt64).contiguous();
@@ -651,17 +651,13 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, t
                       block_table.size(1)};
   const int64_t rows = q_lens.sum().item<int64_t>();
   auto out = torch::empty({rows, num_heads * head_dim}, q.options());
-  if (q.scalar_type() == torch::kBFloat16) {
-    prefill_attention_any(head_dim, q.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>(),
-                          block_table.data_ptr<int32_t>(), starts.data_ptr<int64_t>(), q_lens.data_ptr<int64_t>(),
-                          s_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), num_seqs, layout,
-                          static_cast<float>(scale), window, static_cast<float>(softcap));
-  } else {
-    TORCH_CHECK(q.scalar_type() == torch::kFloat32, "bfloat16 or float32 only");
-    prefill_attention_any(head_dim, q.data_ptr<float>(), kv_cache.data_ptr<float>(), block_table.data_ptr<int32_t>(),
+  with_attention_types(q.scalar_type(), kv_cache.scalar_type(), [&](auto t, auto kv) {
+    using T = decltype(t);
+    using KV = decltype(kv);
+    prefill_attention_any(head_dim, q.data_ptr<T>(), kv_cache.data_ptr<KV>(), block_table.data_ptr<int32_t>(),
                           starts.data_ptr<int64_t>(), q_lens.data_ptr<int64_t>(), s_lens.data_ptr<int64_t>(),
-                          out.data_ptr<float>(), num_seqs, layout, static_cast<float>(scale), window,
+                          out.data_ptr<T>(), num_seqs, layout, static_cast<float>(scale), window,
                           static_cast<float>(softcap));
-  }
+  });
   return out;
 }
