@@ -74,7 +74,8 @@ class ModelRunner:
         start = time.perf_counter()
         self.model: CausalLM | None = self._load()
         """None after sleep(level=2) dropped the weights."""
-        kv_note = "" if self.kv_cache_dtype == self.dtype else f", KV cache {self.kv_cache_dtype}"
+        kv_name = str(self.kv_cache_dtype).removeprefix("torch.")
+        kv_note = "" if self.kv_cache_dtype == self.dtype else f", KV cache {kv_name}"
         logger.info(
             "loaded %s (%s%s) in %.1f s",
             self.config.name,
