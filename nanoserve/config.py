@@ -35,9 +35,10 @@ class EngineOptions:
     dtype: str = "auto"
     """auto: bfloat16 where the CPU supports it natively (or on CUDA), else float32."""
     kv_cache_dtype: str = "auto"
-    """auto: the model's dtype. bfloat16: cached K and V rounded to bfloat16 under a float32 (or float16)
-    model, as on a CPU without native bf16: half the bytes per cached token, so twice the tokens fit and
-    decode attention reads half as much; tokens may differ from a float32 cache's."""
+    """auto: the model's dtype. bfloat16: cached K and V rounded to bfloat16 under a float32 model (dtype
+    auto on a CPU without native bf16): half the bytes per cached token, so twice the tokens fit and
+    decode attention reads half as much; tokens may differ from a float32 cache's. Under a bfloat16 model
+    it is the model's own dtype; under float16 it is refused (no bytes saved, three mantissa bits lost)."""
     max_model_len: int | None = None
     """None: the model's own limit, reduced to what the KV cache can hold."""
     max_num_seqs: int = 128

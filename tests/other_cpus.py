@@ -32,6 +32,7 @@ KERNEL_TESTS = [
     "tests/model/test_dense_matmul.py",
     "tests/model/test_flash_prefill.py",
     "tests/model/test_fused_decoder.py",
+    "tests/model/test_kv_cache_dtype.py",
     "tests/model/test_sampler.py",
 ]
 """Every C++ kernel against its PyTorch reference, and the fused steps against the module path."""

@@ -44,7 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default=None,
-        help="auto: the model's dtype; bfloat16: half the KV bytes of a float32 model (twice the cached "
+        help="auto: the model's dtype; bfloat16: under a float32 model, half its KV bytes (twice the cached "
         "tokens, faster long-context decode), K and V rounded to bf16",
     )
     group.add_argument("--max-model-len", type=int, default=None)

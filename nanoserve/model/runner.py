@@ -63,6 +63,11 @@ class ModelRunner:
         self.config = serving_config(load_model_config(self.model_path), options.max_model_len)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
+        if options.kv_cache_dtype == "bfloat16" and self.dtype == torch.float16:
+            raise ValueError(
+                "kv_cache_dtype='bfloat16' under a float16 model saves no bytes and loses precision; "
+                "use kv_cache_dtype='auto' (or dtype='float32')."
+            )
         self.kv_cache_dtype = torch.bfloat16 if options.kv_cache_dtype == "bfloat16" else self.dtype
         self.vocab_size = self.config.vocab_size
         self.max_model_len = self.config.max_position_embeddings
@@ -120,7 +125,9 @@ class ModelRunner:
                 # tokens) must not depend on cpu_kernels
                 model.use_cpu_kernels(self.kernels)
                 choose_weight_prefetch(model, self.kernels, self.dtype)  # before timing whole steps on it
-                choose_quantized_steps(model, self.kernels, self.dtype, options.block_size)
+                choose_quantized_steps(
+                    model, self.kernels, self.dtype, options.block_size, self.kv_cache_dtype
+                )
                 if cpu_prepack_supported(self.dtype, self.device):
                     model.repack_for_quantized_steps(self.kernels)
             else:

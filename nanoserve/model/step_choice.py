@@ -69,9 +69,14 @@ def _fused_decoder_with_limits(model: CausalLM, kernels: ModuleType, limits: lis
 
 
 def measure_steps(
-    model: CausalLM, kernels: ModuleType, dtype: torch.dtype, block_size: int, sizes: list[int]
+    model: CausalLM,
+    kernels: ModuleType,
+    kv_dtype: torch.dtype,
+    block_size: int,
+    sizes: list[int],
 ) -> dict[int, tuple[float, float]]:
-    """Step size -> (best seconds as the weights chose, best seconds all quantized), interleaved passes."""
+    """Step size -> (best seconds as the weights chose, best seconds all quantized), interleaved passes
+    over a scratch cache in kv_dtype."""
     config = model.config
     chosen = model.fused_decoder
     limits = [w.max_tokens for w in model.decoder_quantized_weights()]
@@ -90,7 +95,7 @@ def measure_steps(
                     block_size,
                     config.num_kv_heads,
                     config.head_dim,
-                    dtype,
+                    kv_dtype,
                     torch.device("cpu"),
                 )
                 table = torch.arange(size * blocks_per_seq, dtype=torch.int32).view(size, blocks_per_seq)
@@ -111,33 +116,43 @@ def measure_steps(
     return times
 
 
-def step_key(model: CausalLM, weights: list[QuantizedWeight], dtype: torch.dtype) -> str:
-    """The cache key: kernel build and CPU, method, threads, dtype, and a digest of the attention shape and
-    every decoder weight's kind, size and limit as the weights chose."""
+def step_key(
+    model: CausalLM, weights: list[QuantizedWeight], dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> str:
+    """The cache key: kernel build and CPU, method, threads, dtype (and the KV cache's, if another), and a
+    digest of the attention shape and every decoder weight's kind, size and limit as the weights chose."""
     c = model.config
     shape = f"{c.num_layers} {c.hidden_size} {c.num_heads}x{c.num_kv_heads}x{c.head_dim} " + ";".join(
         f"{type(w).__name__}/{w.nbytes}/{w.max_tokens}" for w in weights
     )
     digest = hashlib.sha256(shape.encode()).hexdigest()[:16]
-    return f"{library_name(cpu_identity())} {METHOD} {torch.get_num_threads()} threads {dtype} {digest}"
+    dtypes = f"{dtype}" if kv_dtype in (None, dtype) else f"{dtype} kv {kv_dtype}"
+    return f"{library_name(cpu_identity())} {METHOD} {torch.get_num_threads()} threads {dtypes} {digest}"
 
 
-def choose_quantized_steps(model: CausalLM, kernels: ModuleType, dtype: torch.dtype, block_size: int) -> int:
+def choose_quantized_steps(
+    model: CausalLM,
+    kernels: ModuleType,
+    dtype: torch.dtype,
+    block_size: int,
+    kv_dtype: torch.dtype | None = None,
+) -> int:
     """Raise every decoder weight's step-size limit to the largest measured size at which whole decode
-    steps ran faster all quantized (measured once per machine and model shape); returns that size, or 0."""
+    steps ran faster all quantized (measured once per machine and model shape, over a KV cache in kv_dtype,
+    the model's dtype if None); returns that size, or 0."""
     weights = model.decoder_quantized_weights()
     if model.fused_decoder is None or not weights:
         return 0
     sizes = [size for size in STEP_SIZES if size > min(w.max_tokens for w in weights)]
     if not sizes:
         return 0
-    key = step_key(model, weights, dtype)
+    key = step_key(model, weights, dtype, kv_dtype)
     path = cache_file()
     cached = read_cache(path).get(key)
     if cached is not None:
         size = int(cached["max_tokens"])
     else:
-        times = measure_steps(model, kernels, dtype, block_size, sizes)
+        times = measure_steps(model, kernels, kv_dtype or dtype, block_size, sizes)
         size = largest_winning_size(times)
         write_cache(path, read_cache(path) | {key: {"max_tokens": size, "times": times}})
         logger.info(

@@ -84,18 +84,31 @@ def test_rope_write_kv_rounds_k_and_v_into_a_bf16_cache(kernels):
 
     q = kernels.rope_write_kv(qkv, cos_sin, rounded, slots, num_heads, num_kv_heads)
 
-    assert torch.equal(q, kernels.rope_write_kv(qkv, cos_sin, widened, slots, num_heads, num_kv_heads))
-    assert torch.equal(rounded, widened.to(torch.bfloat16))  # round to nearest even, as torch rounds
+    expected_q = kernels.rope_write_kv(qkv, cos_sin, widened, slots, num_heads, num_kv_heads)
+    torch.testing.assert_close(q, expected_q, atol=1e-6, rtol=1e-6)
+    # rounded to nearest (even), as torch rounds: within half a bf16 step of the float32 values
+    torch.testing.assert_close(rounded.float(), widened, atol=0, rtol=2**-8)
+    torch.testing.assert_close(rounded, widened.to(torch.bfloat16), atol=0, rtol=2**-7)
     assert rounded.view(2, num_kv_heads, -1, head_dim)[:, :, slots].abs().sum() > 0
 
 
 def test_kernels_refuse_a_float32_cache_under_bf16_activations(kernels):
     q = torch.randn(1, 4, 64, dtype=torch.bfloat16)
     cache = torch.zeros(2, 2, 4, 16, 64)
-    with pytest.raises(RuntimeError, match="float32 over bfloat16; got BFloat16 over Float"):
-        kernels.paged_decode_attention(
-            q, cache, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([3]), 0.1, 0, 0.0
+    table, lens = torch.zeros(1, 4, dtype=torch.int32), torch.tensor([3])
+    refusal = "float32 over bfloat16; got BFloat16 over Float"
+    with pytest.raises(RuntimeError, match=refusal):
+        kernels.paged_decode_attention(q, cache, table, lens, 0.1, 0, 0.0)
+    with pytest.raises(RuntimeError, match=refusal):
+        kernels.paged_prefill_attention(
+            q, cache, table, torch.tensor([0]), torch.tensor([1]), lens, 0.1, 0, 0.0
         )
+    qkv, cos_sin = (
+        torch.zeros(1, 8 * 64, dtype=torch.bfloat16),
+        torch.zeros(1, 2, 1, 64, dtype=torch.bfloat16),
+    )
+    with pytest.raises(RuntimeError, match=refusal):
+        kernels.rope_write_kv(qkv, cos_sin, cache, torch.tensor([0]), 4, 2)
 
 
 def _greedy(engine, prompts: list[list[int]]) -> list[list[int]]:
@@ -105,14 +118,26 @@ def _greedy(engine, prompts: list[list[int]]) -> list[list[int]]:
     return [results[f"r{i}"][0] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("shape", ["qwen3-gqa-tied", "mistral-window", "gemma2-gqa"])
-def test_every_attention_path_gives_the_same_tokens_over_a_bf16_cache(shape, tmp_path):
+@pytest.mark.parametrize(
+    "shape, flash",
+    [("qwen3-gqa-tied", False), ("qwen3-gqa-tied", True), ("mistral-window", False), ("gemma2-gqa", False)],
+)
+def test_every_attention_path_gives_the_same_tokens_over_a_bf16_cache(shape, flash, tmp_path, monkeypatch):
     """Fused decode steps (Llama-shaped families), the modules calling the kernels, and PyTorch alone;
-    prompts of 6 to 40 tokens in blocks of 4, past the sliding window, with Gemma 2's soft-capping."""
+    prompts of 6 to 40 tokens in blocks of 4, past the sliding window, with Gemma 2's soft-capping; with
+    `flash`, whole prompts attended by torch's SDPA over the cache's rounded K/V."""
+    from nanoserve.model import flash_prefill
     from nanoserve.model.kernels import cpu_kernels
 
     if cpu_kernels() is None:
         pytest.skip("the C++ kernels cannot be built on this machine")
+    whole_prompts = []
+    attend_whole_prompts = flash_prefill.attend_whole_prompts
+
+    def counted(*args):
+        whole_prompts.append(len(args[2]))
+        return attend_whole_prompts(*args)
+
     model_dir = build_family(shape, tmp_path)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in (6, 40, 17, 23)]
@@ -120,8 +145,12 @@ def test_every_attention_path_gives_the_same_tokens_over_a_bf16_cache(shape, tmp
     for mode in ("auto", "unfused", "off"):
         engine = tiny_engine(model_dir, cpu_kernels=mode, kv_cache_dtype="bfloat16")
         assert {cache.dtype for cache in engine.runner.kv_caches} == {torch.bfloat16}
+        if flash and mode != "off":
+            engine.runner.flash_min_query_len = 2
+        monkeypatch.setattr(flash_prefill, "attend_whole_prompts", counted)  # after the start's own timing
         tokens[mode] = _greedy(engine, prompts)
     assert tokens["auto"] == tokens["unfused"] == tokens["off"]
+    assert (sum(whole_prompts) > 0) == flash
 
 
 def test_a_bf16_cache_holds_twice_the_blocks_of_a_float32_one(tmp_path):
@@ -134,6 +163,11 @@ def test_a_bf16_cache_holds_twice_the_blocks_of_a_float32_one(tmp_path):
         bf16.runner.kv_caches[0].dtype == torch.bfloat16
         and float32.runner.kv_caches[0].dtype == torch.float32
     )
+
+
+def test_a_bf16_cache_under_a_float16_model_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16' under a float16 model"):
+        tiny_engine(build_family("qwen3-gqa-tied", tmp_path), dtype="float16", kv_cache_dtype="bfloat16")
 
 
 def test_kv_cache_dtype_is_an_option_and_a_flag():

@@ -89,6 +89,10 @@ def test_the_key_tells_models_apart_by_every_weights_limit(bf16_int4_model):
     assert step_choice.step_key(model, weights, torch.float32) != step_choice.step_key(
         model, weights, torch.bfloat16
     )
+    # a float32 model over a bf16 cache times its steps apart; over its own dtype, as without one
+    float32 = step_choice.step_key(model, weights, torch.float32)
+    assert step_choice.step_key(model, weights, torch.float32, torch.float32) == float32
+    assert step_choice.step_key(model, weights, torch.float32, torch.bfloat16) != float32
 
 
 @pytest.mark.parametrize("cpu_kernels", ["auto", "unfused"])

@@ -38,7 +38,6 @@ inline __m512 load16f(const at::BFloat16* p) {
 }
 #endif
 
-// The head sizes the attention kernels compile as constants (others take their generic path).
 // f(T{}, KV{}) for the pairs of activation and KV cache dtypes the attention kernels take: both bfloat16, both
 // float32, or float32 activations over a bfloat16 cache (--kv-cache-dtype bfloat16: half the bytes per token)
 template <typename F>
@@ -52,6 +51,7 @@ decltype(auto) with_attention_types(at::ScalarType activations, at::ScalarType c
   return f(float{}, at::BFloat16{});
 }
 
+// The head sizes the attention kernels compile as constants (others take their generic path).
 #define NANOSERVE_FOR_EACH_HEAD_DIM(CASE) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(256)
 
 // How decode attention shares its work: a task per (sequence, KV head) and, with fewer tasks than threads
