@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model.kernels import cpu_identity, library_name
-from nanoserve.model.matmul_choice import cache_file, read_cache, write_cache
+from nanoserve.model.matmul_choice import cache_file, dtypes_key, read_cache, write_cache
 
 logger = logging.getLogger(__name__)
 
@@ -183,15 +183,14 @@ def choose_min_query_len(
     kv_dtype: torch.dtype | None = None,
 ) -> int | None:
     """measure_min_query_len's answer for this CPU, kernel build, head shape and dtypes, measured once."""
-    cache_dtype = kv_dtype or dtype
-    dtypes = f"{dtype}" if cache_dtype == dtype else f"{dtype} kv {cache_dtype}"
+    dtypes = dtypes_key(dtype, kv_dtype)
     key = f"{library_name(cpu_identity())} flash_prefill {dtypes} {num_heads}x{num_kv_heads}x{head_dim}/{block_size}"
     path = cache_file()
     cached = read_cache(path).get(key)
     if cached is not None:
         return cached["min_query_len"]
     shape = (num_heads, num_kv_heads, head_dim)
-    min_len, ratios = measure_min_query_len(kernels, shape, dtype, block_size, cache_dtype)
+    min_len, ratios = measure_min_query_len(kernels, shape, dtype, block_size, kv_dtype or dtype)
     write_cache(path, read_cache(path) | {key: {"min_query_len": min_len, "ratios": ratios}})
     logger.info(
         "prefill attention of whole prompts: %s (SDPA time / C++ kernel time: %s)",

@@ -67,6 +67,12 @@ def cache_file() -> Path:
     return build_dir() / "matmul_choice.json"
 
 
+def dtypes_key(dtype: torch.dtype, kv_dtype: torch.dtype | None) -> str:
+    """The dtypes part of a cache key for a measurement that reads a KV cache: the model's dtype, and the
+    cache's where it differs (so that answers measured before the KV dtype was an option keep their keys)."""
+    return f"{dtype}" if kv_dtype in (None, dtype) else f"{dtype} kv {kv_dtype}"
+
+
 def shape_key(role: str, quantized: QuantizedWeight, shape: tuple[int, int], dtype: torch.dtype) -> str:
     if isinstance(quantized, GroupQuantWeight):
         kind = f"int{quantized.bits}" + ("-symmetric" if quantized.symmetric else "")

@@ -31,7 +31,7 @@ import torch
 from nanoserve.model.attention import allocate_kv_cache
 from nanoserve.model.kernels import cpu_identity, library_name
 from nanoserve.model.layers.causal_lm import CausalLM
-from nanoserve.model.matmul_choice import cache_file, read_cache, write_cache
+from nanoserve.model.matmul_choice import cache_file, dtypes_key, read_cache, write_cache
 from nanoserve.model.quant import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ def step_key(
         f"{type(w).__name__}/{w.nbytes}/{w.max_tokens}" for w in weights
     )
     digest = hashlib.sha256(shape.encode()).hexdigest()[:16]
-    dtypes = f"{dtype}" if kv_dtype in (None, dtype) else f"{dtype} kv {kv_dtype}"
+    dtypes = dtypes_key(dtype, kv_dtype)
     return f"{library_name(cpu_identity())} {METHOD} {torch.get_num_threads()} threads {dtypes} {digest}"
 
 

@@ -298,12 +298,12 @@ class FusedDecoder {
   }
 
   // ... and whether the step's inputs do: the weights' dtype, contiguous, every cache in one dtype that the
-  // attention kernels take with it (with_attention_types)
+  // attention kernels take with it
   bool inputs_fit_one_region(const at::Tensor& x, const at::Tensor& cos_sin, const std::vector<at::Tensor>& kv_caches,
                              const at::Tensor& slot_mapping, const at::Tensor& block_table,
                              const at::Tensor& seq_lens) const {
     const auto dtype = final_norm_.scalar_type(), cache_dtype = kv_caches[0].scalar_type();
-    if (cache_dtype != dtype && !(dtype == at::kFloat && cache_dtype == at::kBFloat16)) return false;
+    if (!attention_takes(dtype, cache_dtype)) return false;
     for (const at::Tensor& cache : kv_caches)  // the region reads every layer's cache with the first one's sizes
       if (cache.scalar_type() != cache_dtype || !cache.is_contiguous() || cache.sizes() != kv_caches[0].sizes() ||
           cache.size(1) != num_kv_heads_ || cache.size(4) != head_dim_)

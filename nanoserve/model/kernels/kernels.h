@@ -38,12 +38,17 @@ inline __m512 load16f(const at::BFloat16* p) {
 }
 #endif
 
-// f(T{}, KV{}) for the pairs of activation and KV cache dtypes the attention kernels take: both bfloat16, both
-// float32, or float32 activations over a bfloat16 cache (--kv-cache-dtype bfloat16: half the bytes per token)
+// The pairs of activation and KV cache dtypes the attention kernels take: both bfloat16, both float32, or
+// float32 activations over a bfloat16 cache (--kv-cache-dtype bfloat16: half the bytes per token)
+inline bool attention_takes(at::ScalarType activations, at::ScalarType cache) {
+  const bool same = activations == cache && (cache == at::kBFloat16 || cache == at::kFloat);
+  return same || (activations == at::kFloat && cache == at::kBFloat16);
+}
+
+// f(T{}, KV{}) for one of those pairs
 template <typename F>
 decltype(auto) with_attention_types(at::ScalarType activations, at::ScalarType cache, F&& f) {
-  const bool same = activations == cache && (cache == at::kBFloat16 || cache == at::kFloat);
-  TORCH_CHECK(same || (activations == at::kFloat && cache == at::kBFloat16),
+  TORCH_CHECK(attention_takes(activations, cache),
               "attention takes bfloat16 or float32 activations over a KV cache of their dtype, or float32 over "
               "bfloat16; got ", activations, " over ", cache);
   if (cache == at::kFloat) return f(float{}, float{});
