@@ -173,3 +173,34 @@ def test_a_stopped_run_takes_down_its_worker_and_the_workers_children(tmp_path, 
         if pid_file.exists() and pid_file.read_text():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_past_its_time_is_killed_with_its_children_and_named_in_the_error(tmp_path, monkeypatch):
+    pid_file = tmp_path / "grandchild.pid"
+    worker = (
+        "import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "open(sys.argv[1], 'w').write(f'{child.pid}'); time.sleep(600)"
+    )
+    monkeypatch.setattr(peers, "worker_command", lambda *_: [sys.executable, "-c", worker, str(pid_file)])
+    try:
+        result = peers.run_system("nanoserve", tmp_path / "spec.json", tmp_path, timeout=5)
+        assert result["error"].startswith("timed out after 5 s (log: "), result
+        deadline = time.monotonic() + 30
+        while not _gone(int(pid_file.read_text())):
+            assert time.monotonic() < deadline, "the worker's child outlived the timed-out run"
+            time.sleep(0.1)
+    finally:
+        if pid_file.exists() and pid_file.read_text():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_fails_is_reported_with_its_exit_code_and_last_line(tmp_path, monkeypatch):
+    worker = "import sys; print('loading'); print('no such model', file=sys.stderr); sys.exit(3)"
+    monkeypatch.setattr(peers, "worker_command", lambda *_: [sys.executable, "-c", worker])
+    result = peers.run_system("nanoserve", tmp_path / "spec.json", tmp_path, timeout=60)
+    assert result["error"].startswith("exit 3: no such model (log: "), result
+    assert result["tok_s"] == {} and result["ttft_s"] == []
