@@ -28,7 +28,6 @@ import contextlib
 import json
 import math
 import os
-import select
 import signal
 import statistics
 import subprocess
@@ -224,18 +223,6 @@ def worker_command(system: str, spec_file: Path, result_file: Path) -> list[str]
     return [sys.executable, "-c", code, system, str(spec_file), str(result_file)]
 
 
-def ends_within(proc: subprocess.Popen, timeout: float) -> bool:
-    """Whether proc ends within timeout, waited for on a pidfd rather than with Popen.wait: a Ctrl-C that
-    lands just after Popen.wait's polling loop has taken its internal lock leaves that lock held, and the
-    Popen.wait that reaps the killed worker afterwards then never returns (CPython 3.11)."""
-    pidfd = os.pidfd_open(proc.pid)
-    try:
-        readable, _, _ = select.select([pidfd], [], [], timeout)
-    finally:
-        os.close(pidfd)
-    return bool(readable)
-
-
 def run_system(system: str, spec_file: Path, log_dir: Path, timeout: float) -> dict:
     """Run one system's worker in a fresh process group and read back what it measured. The group is killed
     whole once the worker ends, times out, or this process is stopped (Ctrl-C, or SIGTERM under `nanoserve
@@ -244,6 +231,7 @@ def run_system(system: str, spec_file: Path, log_dir: Path, timeout: float) -> d
     env = vllm_env() if system == "vllm" else dict(os.environ)
     result_file, log_file = log_dir / f"{system}.json", log_dir / f"{system}.log"
     result_file.unlink(missing_ok=True)
+    timed_out = False
     with open(log_file, "w") as log:
         proc = subprocess.Popen(
             worker_command(system, spec_file, result_file),
@@ -253,7 +241,9 @@ def run_system(system: str, spec_file: Path, log_dir: Path, timeout: float) -> d
             start_new_session=True,
         )
         try:
-            timed_out = not ends_within(proc, timeout)
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)

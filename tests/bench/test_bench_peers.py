@@ -122,10 +122,13 @@ def test_a_failed_ttft_leaves_the_throughput_runs_measured(tmp_path, monkeypatch
 
 
 STOPPED_RUN = """
-import sys
+import signal, sys
 from pathlib import Path
 from nanoserve.bench import cli, peers
 
+# Ctrl-C raises KeyboardInterrupt, as in a terminal's foreground job, even when these tests were started
+# in the background of a shell without job control, whose children inherit SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 work, pid_file = Path(sys.argv[1]), sys.argv[2]
 # a worker that starts a child of its own (as an engine does) and runs until it is killed
 worker = (
