@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -121,6 +122,14 @@ def test_a_failed_ttft_leaves_the_throughput_runs_measured(tmp_path, monkeypatch
     assert result["ttft_s"] == [] and result["error"].startswith("TTFT: ValueError: prompt longer")
 
 
+# a worker that starts a child of its own (as an engine does), writes the child's pid to argv[1] and runs
+# until it is killed
+LINGERING_WORKER = (
+    "import subprocess, sys, time; "
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+    "open(sys.argv[1], 'w').write(f'{child.pid}'); time.sleep(600)"
+)
+
 STOPPED_RUN = """
 import signal, sys
 from pathlib import Path
@@ -129,13 +138,7 @@ from nanoserve.bench import cli, peers
 # Ctrl-C raises KeyboardInterrupt, as in a terminal's foreground job, even when these tests were started
 # in the background of a shell without job control, whose children inherit SIGINT ignored
 signal.signal(signal.SIGINT, signal.default_int_handler)
-work, pid_file = Path(sys.argv[1]), sys.argv[2]
-# a worker that starts a child of its own (as an engine does) and runs until it is killed
-worker = (
-    "import subprocess, sys, time; "
-    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
-    "open(sys.argv[1], 'w').write(f'{child.pid}'); time.sleep(600)"
-)
+work, pid_file, worker = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 peers.worker_command = lambda system, spec_file, result_file: [sys.executable, "-c", worker, pid_file]
 cli.raise_on_sigterm()
 peers.run_system("nanoserve", work / "spec.json", work, timeout=600)
@@ -149,13 +152,22 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _kill_recorded(pid_file: Path) -> None:
+    """The worker's child, if the worker got as far as recording it (a failed test must not leave it)."""
+    if pid_file.exists() and pid_file.read_text():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_stopped_run_takes_down_its_worker_and_the_workers_children(tmp_path, stop):
     """Workers run in sessions of their own, out of reach of the terminal's Ctrl-C: stopping `bench peers`
     must kill them, and the engines they started, instead of leaving them decoding beside the next run."""
     pid_file = tmp_path / "grandchild.pid"
-    run = subprocess.Popen([sys.executable, "-c", STOPPED_RUN, str(tmp_path), str(pid_file)])
+    run = subprocess.Popen(
+        [sys.executable, "-c", STOPPED_RUN, str(tmp_path), str(pid_file), LINGERING_WORKER]
+    )
     try:
         deadline = time.monotonic() + 60
         while not (pid_file.exists() and pid_file.read_text()):
@@ -173,20 +185,15 @@ def test_a_stopped_run_takes_down_its_worker_and_the_workers_children(tmp_path, 
     finally:
         run.kill()
         run.wait()
-        if pid_file.exists() and pid_file.read_text():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        _kill_recorded(pid_file)
 
 
 @pytest.mark.timeout(120)
 def test_a_worker_past_its_time_is_killed_with_its_children_and_named_in_the_error(tmp_path, monkeypatch):
     pid_file = tmp_path / "grandchild.pid"
-    worker = (
-        "import subprocess, sys, time; "
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
-        "open(sys.argv[1], 'w').write(f'{child.pid}'); time.sleep(600)"
+    monkeypatch.setattr(
+        peers, "worker_command", lambda *_: [sys.executable, "-c", LINGERING_WORKER, str(pid_file)]
     )
-    monkeypatch.setattr(peers, "worker_command", lambda *_: [sys.executable, "-c", worker, str(pid_file)])
     try:
         result = peers.run_system("nanoserve", tmp_path / "spec.json", tmp_path, timeout=5)
         assert result["error"].startswith("timed out after 5 s (log: "), result
@@ -195,9 +202,7 @@ def test_a_worker_past_its_time_is_killed_with_its_children_and_named_in_the_err
             assert time.monotonic() < deadline, "the worker's child outlived the timed-out run"
             time.sleep(0.1)
     finally:
-        if pid_file.exists() and pid_file.read_text():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        _kill_recorded(pid_file)
 
 
 @pytest.mark.timeout(120)
