@@ -139,7 +139,13 @@ def test_the_choice_is_measured_once_per_cpu_and_shape(kernels, monkeypatch, tmp
 
 
 @pytest.mark.parametrize(
-    ("ratios", "expected"), [([1.2, 0.9, 0.8, 0.7], 128), ([0.9, 1.1, 0.8, 0.7], 256), ([1.1] * 4, None)]
+    ("ratios", "expected"),
+    [
+        ([1.2, 0.9, 0.8, 0.7, 0.6, 0.5], 128),
+        ([0.9, 1.1, 0.8, 0.7, 0.6, 0.5], 256),
+        ([1.5, 1.5, 1.4, 1.3, 1.1, 0.9], 2048),
+        ([1.1] * 6, None),
+    ],
 )
 def test_the_measured_length_is_the_shortest_from_which_sdpa_always_won(
     kernels, monkeypatch, ratios, expected

@@ -35,8 +35,9 @@
 namespace {
 
 constexpr int64_t QUERY_TILE = 16;  // queries per task
-constexpr int64_t KEY_CHUNK = 16;   // keys scored at once: one vector of float32 scores per row
-constexpr int64_t ROW_GROUP = 8;    // rows scored together, so that their sums are independent chains
+constexpr int64_t KEY_CHUNK = 16;   // keys scored at once: a row's float32 scores fill a vec16
+constexpr int PARTS = KEY_CHUNK / ROW_LANES;  // registers a row's scores take: 1 with AVX-512, 2 on AVX2
+constexpr int64_t ROW_GROUP = 8 / PARTS;      // rows scored together: 8 independent chains of sums
 
 struct Layout {
   int64_t num_heads, num_kv_heads, per_kv, head_stride, v_offset, block_size, max_blocks;
@@ -101,30 +102,38 @@ void pack_context(const T* kv, const int32_t* table, const Layout& L, int64_t D,
   }
 }
 
-// out[row] += the chunk's values weighted by p, for a head size known at compile time: the row's sums in
-// registers, even and odd keys in separate sums so that two chains run at once
+// The largest divisor of v up to 8: column registers whose sums run together
+constexpr int column_block(int v) {
+  for (int b = 8; b > 1; --b)
+    if (v % b == 0) return b;
+  return 1;
+}
+
+// out[row] += the chunk's values weighted by p, for a head size known at compile time: a block of up to 8
+// column registers at a time, its sums in registers, and even and odd keys in separate sums where the block
+// is shorter than 8, so that at least 8 chains run at once
 template <int FIXED_D>
-inline void add_weighted_values(float* out, vec16 p, const float* values, int64_t D) {
-  if constexpr (FIXED_D > 0 && FIXED_D % 16 == 0) {
-    constexpr int V = FIXED_D / 16;
-    vec16 even[V], odd[V];
-    for (int c = 0; c < V; ++c) {
-      std::memcpy(&even[c], out + 16 * c, sizeof(vec16));
-      odd[c] = vec16{};
-    }
-    for (int t = 0; t < KEY_CHUNK; t += 2) {
-      const float pe = p[t], po = p[t + 1];
-      for (int c = 0; c < V; ++c) {
-        vec16 ve, vo;
-        std::memcpy(&ve, values + t * FIXED_D + 16 * c, sizeof(vec16));
-        std::memcpy(&vo, values + (t + 1) * FIXED_D + 16 * c, sizeof(vec16));
-        even[c] += pe * ve;
-        odd[c] += po * vo;
+inline void add_weighted_values(float* out, const vec16& p, const float* values, int64_t D) {
+  if constexpr (FIXED_D > 0 && FIXED_D % ROW_LANES == 0) {
+    constexpr int V = FIXED_D / ROW_LANES, BLOCK = column_block(V), SUMS = BLOCK < 8 ? 2 : 1;
+    for (int block = 0; block < V; block += BLOCK) {
+      float* o = out + block * ROW_LANES;
+      row_lanes sums[SUMS][BLOCK];
+      for (int c = 0; c < BLOCK; ++c) {
+        sums[0][c] = load_row_lanes(o + c * ROW_LANES);
+        for (int k = 1; k < SUMS; ++k) sums[k][c] = row_lanes{};
       }
-    }
-    for (int c = 0; c < V; ++c) {
-      const vec16 sum = even[c] + odd[c];
-      std::memcpy(out + 16 * c, &sum, sizeof(vec16));
+      for (int t = 0; t < KEY_CHUNK; t += SUMS)
+        for (int k = 0; k < SUMS; ++k) {
+          const float weight = p[t + k];
+          const float* v = values + (t + k) * FIXED_D + block * ROW_LANES;
+          for (int c = 0; c < BLOCK; ++c) sums[k][c] += weight * load_row_lanes(v + c * ROW_LANES);
+        }
+      for (int c = 0; c < BLOCK; ++c) {
+        row_lanes total = sums[0][c];
+        for (int k = 1; k < SUMS; ++k) total += sums[k][c];
+        std::memcpy(o + c * ROW_LANES, &total, sizeof total);
+      }
     }
   } else {
     for (int64_t t = 0; t < KEY_CHUNK; ++t)
@@ -464,31 +473,37 @@ void attend_tile(const T* q, const PackedContext& context, T* out, const Layout&
   }
   const int64_t first = context_start + first_query, last = first + num_queries - 1;
   const int64_t start = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
-  vec16 lanes;
-  for (int t = 0; t < KEY_CHUNK; ++t) lanes[t] = static_cast<float>(t);
+  row_lanes key_offsets[PARTS];  // each lane's key within a chunk
+  for (int part = 0; part < PARTS; ++part)
+    for (int64_t t = 0; t < ROW_LANES; ++t) key_offsets[part][t] = static_cast<float>(part * ROW_LANES + t);
 
   for (int64_t chunk = start / KEY_CHUNK; chunk * KEY_CHUNK <= last; ++chunk) {
     const int64_t pos = chunk * KEY_CHUNK;
     const int64_t index = chunk - context.first_chunk;
     // whether some row sees only part of the chunk: the diagonal, or a window's edge
     const bool partial = pos + KEY_CHUNK - 1 > first || (window > 0 && pos <= last - window);
-    const vec16 key_positions = lanes + static_cast<float>(pos);
+    row_lanes key_positions[PARTS];
+    for (int part = 0; part < PARTS; ++part) key_positions[part] = key_offsets[part] + static_cast<float>(pos);
     for (int64_t group = 0; group < padded_rows; group += ROW_GROUP) {
-      vec16 scores[ROW_GROUP];
+      row_lanes scores[ROW_GROUP][PARTS];
 #if defined(__AVX512BF16__)
       if constexpr (PAIRS) {
-        score_pairs<FIXED_D>(query_pairs.data() + group * D / 2, context.key_pairs.data() + index * D / 2, scores);
-        for (int g = 0; g < ROW_GROUP; ++g) scores[g] *= scale;
+        static_assert(PARTS == 1, "AVX-512 scores a chunk in one register");
+        vec16 pair_scores[ROW_GROUP];
+        score_pairs<FIXED_D>(query_pairs.data() + group * D / 2, context.key_pairs.data() + index * D / 2, pair_scores);
+        for (int g = 0; g < ROW_GROUP; ++g) scores[g][0] = pair_scores[g] * scale;
       } else
 #endif
       {
-        for (int g = 0; g < ROW_GROUP; ++g) scores[g] = vec16{};
+        for (int g = 0; g < ROW_GROUP; ++g)
+          for (int part = 0; part < PARTS; ++part) scores[g][part] = row_lanes{};
         const float* qg = query.data() + group * D;
-        const vec16* keys = context.keys.data() + index * D;
-        for (int64_t d = 0; d < D; ++d) {
-          const vec16 k = keys[d];
-          for (int g = 0; g < ROW_GROUP; ++g) scores[g] += qg[g * D + d] * k;
-        }
+        const float* keys = reinterpret_cast<const float*>(context.keys.data() + index * D);
+        for (int64_t d = 0; d < D; ++d)
+          for (int part = 0; part < PARTS; ++part) {
+            const row_lanes k = load_row_lanes(keys + d * KEY_CHUNK + part * ROW_LANES);
+            for (int g = 0; g < ROW_GROUP; ++g) scores[g][part] += qg[g * D + d] * k;
+          }
       }
       // each row's probabilities for the chunk, its sums rescaled where its max grew; masked rows and
       // padding get zeros
@@ -497,16 +512,21 @@ void attend_tile(const T* q, const PackedContext& context, T* out, const Layout&
         const int64_t r = group + g;
         probs[g] = vec16{};
         if (r >= rows) continue;
-        vec16 s = scores[g];
+        row_lanes* s = scores[g];
         if (softcap > 0.f)
-          for (int t = 0; t < KEY_CHUNK; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+          for (int part = 0; part < PARTS; ++part)
+            for (int64_t t = 0; t < ROW_LANES; ++t) s[part][t] = softcap * std::tanh(s[part][t] / softcap);
         if (partial) {
           const float p = static_cast<float>(position[r]);
-          ivec16 visible = key_positions <= p;
-          if (window > 0) visible &= key_positions > p - static_cast<float>(window);
-          s = visible ? s : -INFINITY;
+          for (int part = 0; part < PARTS; ++part) {
+            row_int_lanes visible = key_positions[part] <= p;
+            if (window > 0) visible &= key_positions[part] > p - static_cast<float>(window);
+            s[part] = visible ? s[part] : -INFINITY;
+          }
         }
-        const float chunk_max = max16(s);
+        row_lanes most = s[0];
+        for (int part = 1; part < PARTS; ++part) most = most > s[part] ? most : s[part];
+        const float chunk_max = largest_lane(most);
         if (chunk_max == -INFINITY) continue;  // every key of the chunk is masked for this row
         if (chunk_max > max_score[r]) {
           const float shrink = std::exp(max_score[r] - chunk_max);
@@ -515,8 +535,13 @@ void attend_tile(const T* q, const PackedContext& context, T* out, const Layout&
           for (int64_t d = 0; d < D; ++d) a[d] *= shrink;
           max_score[r] = chunk_max;
         }
-        probs[g] = exp16(s - max_score[r]);
-        total[r] += sum16(probs[g]);
+        row_lanes sum = {};
+        for (int part = 0; part < PARTS; ++part) {
+          const row_lanes e = exp_lanes<row_lanes, row_int_lanes>(s[part] - max_score[r]);
+          sum += e;
+          std::memcpy(reinterpret_cast<float*>(&probs[g]) + part * ROW_LANES, &e, sizeof e);
+        }
+        total[r] += lane_sum(sum);
       }
 #if defined(__AVX512BF16__)
       if constexpr (PAIRS) {
