@@ -9,7 +9,9 @@ from the GGUF, since vLLM cannot read GGUF) and llama.cpp
 (the Q4_1 GGUF as is, batch 1 only: its Python API has no batched generate). Time to first token is
 measured first, on distinct 512-token prompts: the throughput prompts are windows of the same passage, and
 once they are in the prefix cache, a TTFT prompt that starts where one of them does finds its first
-blocks there.
+blocks there. Then the time to first token of a chat turn: prompts that share their first 1024 tokens (a
+system prompt and history, cached by the prompt before) and end in 64 tokens of their own. Every system
+reuses the shared part: the engines from their prefix caches, llama.cpp from its previous call's KV.
 
 Each system runs in its own subprocess, one after another, so they never compete for the two cores and
 an import error or crash in one peer becomes an error in its table row. Numbers are min/median/max
@@ -66,6 +68,8 @@ def system_label(system: str) -> str:
 
 MODES = (("tok_s", ""), ("sampled_tok_s", " sampled"))
 """Each system's measurements: (result key, label suffix), greedy then sampled."""
+TTFT_KEYS = ("ttft_s", "prefix_ttft_s")
+"""Its times to first token: distinct prompts, then prompts after a cached prefix."""
 
 # A runner: (throughput(prompts, new_tokens, sampled) -> tok/s, ttft(prompt) -> seconds, largest batch it runs).
 Runner = tuple[Callable[[list[list[int]], int, bool], float], Callable[[list[int]], float], int | None]
@@ -89,6 +93,15 @@ def nanoserve_runner(spec: dict, quantization: str = "none") -> Runner:
 # A fixed KV cache, as nanoserve's default: left to size itself, vLLM-CPU claims 92 % of the machine's
 # memory and refuses to start on a shared machine.
 VLLM_KV_CACHE_BYTES = 1 << 30
+
+
+def prefix_prompts(tokenizer, count: int, prefix_len: int, new_tokens: int) -> list[list[int]]:
+    """count prompts of one shared prefix_len-token prefix, each ending in new_tokens of its own (none when
+    prefix_len is 0)."""
+    if not prefix_len:
+        return []
+    prefix = make_prompts(tokenizer, 1, prefix_len)[0]
+    return [prefix + tail for tail in make_prompts(tokenizer, count, new_tokens)]
 
 
 def default_work_dir() -> Path:
@@ -179,7 +192,7 @@ def worker(system: str, spec_file: str, result_file: str) -> None:
     """Subprocess body: measure one system, rewriting the result file after each measurement so that a
     crash half-way still leaves the numbers taken before it."""
     spec = json.loads(Path(spec_file).read_text())
-    result: dict = {"tok_s": {}, "sampled_tok_s": {}, "ttft_s": [], "error": None}
+    result: dict = {"tok_s": {}, "sampled_tok_s": {}, "ttft_s": [], "prefix_ttft_s": [], "error": None}
 
     def save() -> None:
         Path(result_file).write_text(json.dumps(result))
@@ -191,6 +204,13 @@ def worker(system: str, spec_file: str, result_file: str) -> None:
             result["ttft_s"] = [ttft(p) for p in spec["ttft_prompts"][1:]]
         except Exception as e:  # the row says why, and the throughput runs still go ahead
             result["error"] = f"TTFT: {type(e).__name__}: {e}".splitlines()[0][:200]
+        if spec["prefix_prompts"]:
+            try:
+                ttft(spec["prefix_prompts"][0])  # puts the shared prefix in the cache
+                result["prefix_ttft_s"] = [ttft(p) for p in spec["prefix_prompts"][1:]]
+            except Exception as e:
+                failure = f"cached-prefix TTFT: {type(e).__name__}: {e}".splitlines()[0][:200]
+                result["error"] = result["error"] or failure
         save()
         for batch, prompts in spec["prompts"].items():
             if max_batch is not None and int(batch) > max_batch:
@@ -251,7 +271,7 @@ def run_system(system: str, spec_file: Path, log_dir: Path, timeout: float) -> d
     result: dict[str, Any] = (
         json.loads(result_file.read_text())
         if result_file.exists()
-        else {"tok_s": {}, "sampled_tok_s": {}, "ttft_s": []}
+        else {"tok_s": {}, "sampled_tok_s": {}, "ttft_s": [], "prefix_ttft_s": []}
     )
     if timed_out and not result.get("error"):
         result["error"] = f"timed out after {timeout:.0f} s"
@@ -274,21 +294,28 @@ def merge_results(earlier: dict | None, later: dict) -> dict:
         for batch, values in later.get(key, {}).items():
             runs.setdefault(batch, []).extend(values)
         merged[key] = runs
-    merged["ttft_s"] = earlier.get("ttft_s", []) + later.get("ttft_s", [])
+    for key in TTFT_KEYS:
+        merged[key] = earlier.get(key, []) + later.get(key, [])
     return merged
 
 
-def print_table(results: dict[str, dict], batches: list[str], ttft_len: int) -> None:
-    """Systems as rows (each greedy, then sampled), batch sizes and time to first token as columns, then
-    each nanoserve engine's ratio to each peer, greedy to greedy and sampled to sampled."""
+def print_table(results: dict[str, dict], batches: list[str], ttft_headers: list[str]) -> None:
+    """Systems as rows (each greedy, then sampled), batch sizes and times to first token (a column per
+    header, in TTFT_KEYS' order) as columns, then each nanoserve engine's ratio to each peer, greedy to
+    greedy and sampled to sampled."""
     width, label = 22, 48
-    header = "".join(f"{'batch ' + b:>{width}}" for b in batches) + f"{f'TTFT-{ttft_len} ms':>{width}}"
+    ttft_keys = TTFT_KEYS[: len(ttft_headers)]
+    header = "".join(f"{'batch ' + b:>{width}}" for b in batches) + "".join(
+        f"{h:>{width}}" for h in ttft_headers
+    )
     print(f"{'':<{label}}" + header)
     for name, r in results.items():
         for key, suffix in MODES:
             runs = r.get(key, {})
             cells = [summarize(runs[b]) if b in runs else "-" for b in batches]
-            cells.append(summarize([s * 1000 for s in r["ttft_s"]]) if r["ttft_s"] and not suffix else "-")
+            for ttft_key in ttft_keys:
+                times = r.get(ttft_key, [])
+                cells.append(summarize([s * 1000 for s in times]) if times and not suffix else "-")
             print(f"{system_label(name) + suffix:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
         if r.get("error"):
             print(f"{'':<{label}}  error: {r['error']}")
@@ -305,7 +332,8 @@ def print_table(results: dict[str, dict], batches: list[str], ttft_len: int) -> 
             for key, suffix in MODES:
                 mine, theirs = ours.get(key, {}), r.get(key, {})
                 cells = [ratio(mine.get(b, []), theirs.get(b, [])) for b in batches]
-                cells.append("-" if suffix else ratio(ours["ttft_s"], r["ttft_s"]))
+                for ttft_key in ttft_keys:
+                    cells.append("-" if suffix else ratio(ours.get(ttft_key, []), r.get(ttft_key, [])))
                 row = f"{system_label(ours_name)}/{system_label(name)}{suffix}"
                 print(f"{row:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
 
@@ -322,6 +350,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--ttft-prompt-len", type=int, default=512)
+    parser.add_argument(
+        "--cached-prefix-len",
+        type=int,
+        default=1024,
+        help="the chat-turn TTFT's shared, cached prefix (0: skip it)",
+    )
+    parser.add_argument("--cached-prefix-new-tokens", type=int, default=64, help="the chat turn's own tokens")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--rounds", type=int, default=1, help="run the systems in turn this many times, pooling their repeats"
@@ -358,6 +393,9 @@ def main(argv: list[str] | None = None) -> None:
         "hf_dir": str(hf_folder(model_path, work_dir)),
         "prompts": {b: make_prompts(tokenizer, int(b), args.prompt_len) for b in args.batch_sizes.split(",")},
         "ttft_prompts": make_prompts(tokenizer, args.repeats + 1, args.ttft_prompt_len),
+        "prefix_prompts": prefix_prompts(
+            tokenizer, args.repeats + 1, args.cached_prefix_len, args.cached_prefix_new_tokens
+        ),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
     }
@@ -389,7 +427,10 @@ def main(argv: list[str] | None = None) -> None:
     print(
         "\ntok/s; ratios: nanoserve tok/s / peer (higher is better), TTFT nanoserve / peer (lower is better)"
     )
-    print_table(results, list(spec["prompts"]), args.ttft_prompt_len)
+    ttft_headers = [f"TTFT-{args.ttft_prompt_len} ms"]
+    if args.cached_prefix_len:
+        ttft_headers.append(f"TTFT {args.cached_prefix_len}+{args.cached_prefix_new_tokens} ms")
+    print_table(results, list(spec["prompts"]), ttft_headers)
     per_system = (
         f"{system_label(name)} {statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
         for name, v in bandwidths.items()

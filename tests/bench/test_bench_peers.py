@@ -23,11 +23,13 @@ def test_peers_table_and_plot_with_a_missing_peer(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "peers.png"
     argv = ["--systems", "nanoserve,llamacpp", "--batch-sizes", "1,2", "--new-tokens", "4", "--repeats", "1"]
-    argv += ["--ttft-prompt-len", "16", "--work-dir", str(tmp_path), "--plot", str(plot)]
+    argv += ["--ttft-prompt-len", "16", "--cached-prefix-len", "32", "--cached-prefix-new-tokens", "16"]
+    argv += ["--work-dir", str(tmp_path), "--plot", str(plot)]
     peers.main(argv)
     out = capsys.readouterr().out
     rows = {line.split("  ")[0]: line for line in out.splitlines() if line.startswith(("nanoserve", "llama"))}
-    assert rows["nanoserve"].count("(") == 3, out  # batch 1, batch 2 and TTFT measured
+    assert rows["nanoserve"].count("(") == 4, out  # batch 1, batch 2 and both TTFTs measured
+    assert "TTFT-16 ms" in out and "TTFT 32+16 ms" in out, out
     assert rows["nanoserve sampled"].count("(") == 2, out  # batch 1 and 2, sampled
     assert "error: " in out and "llama_cpp" in out
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -57,7 +59,7 @@ def test_rounds_take_the_systems_in_turn_and_pool_their_runs(tmp_path, monkeypat
         if line.startswith(("nanoserve", "llama"))
     }
     assert rows["nanoserve"][1:3] == ["85.0", "(60-110)"], out  # median of 100, 110, 60, 70
-    assert rows[f"nanoserve/{peers.system_label('llamacpp')}"][-2] == "1.89x", out  # 85 / 45, then TTFT
+    assert rows[f"nanoserve/{peers.system_label('llamacpp')}"][-3:] == ["1.89x", "1.00x", "-"], out  # 85 / 45
     assert "round 2, nanoserve: " in out and "(read bandwidth before it: 40.0 GB/s)" in out, out
     llamacpp = peers.system_label("llamacpp")
     assert f"GB/s: nanoserve 35.0 (30.0-40.0); {llamacpp} 22.5 (20.0-25.0)" in out, out
@@ -76,6 +78,7 @@ def test_merge_results_keeps_the_first_error():
         "tok_s": {"1": [1.0, 2.0], "8": [3.0]},
         "sampled_tok_s": {"1": [4.0]},
         "ttft_s": [0.1],
+        "prefix_ttft_s": [],
         "error": "boom",
     }
 
@@ -91,6 +94,9 @@ def test_time_to_first_token_is_measured_before_the_throughput_runs(tmp_path, mo
             return 1.0
 
         def ttft(prompt):
+            if len(prompt) > 1:
+                calls.append("ttft:" + ",".join(map(str, prompt)))
+                return 0.2
             calls.append("ttft")
             return 0.1
 
@@ -98,11 +104,14 @@ def test_time_to_first_token_is_measured_before_the_throughput_runs(tmp_path, mo
 
     monkeypatch.setitem(peers.RUNNERS, "nanoserve", runner)
     spec = {"prompts": {"1": [[5, 6]]}, "new_tokens": 2, "repeats": 1, "ttft_prompts": [[7], [8], [9]]}
+    spec["prefix_prompts"] = [[1, 2, 3], [1, 2, 4]]
     spec_file, result_file = tmp_path / "spec.json", tmp_path / "result.json"
     spec_file.write_text(json.dumps(spec))
     peers.worker("nanoserve", str(spec_file), str(result_file))
-    assert calls == ["ttft"] * 3 + ["throughput"] * 3  # warm-ups first, then greedy and sampled
-    assert json.loads(result_file.read_text())["ttft_s"] == [0.1, 0.1]
+    # warm-ups first, then the cached-prefix prompts (the first caches the prefix), greedy and sampled
+    assert calls == ["ttft"] * 3 + ["ttft:1,2,3", "ttft:1,2,4"] + ["throughput"] * 3
+    result = json.loads(result_file.read_text())
+    assert result["ttft_s"] == [0.1, 0.1] and result["prefix_ttft_s"] == [0.2]
 
 
 def test_a_failed_ttft_leaves_the_throughput_runs_measured(tmp_path, monkeypatch):
@@ -114,12 +123,14 @@ def test_a_failed_ttft_leaves_the_throughput_runs_measured(tmp_path, monkeypatch
 
     monkeypatch.setitem(peers.RUNNERS, "nanoserve", runner)
     spec = {"prompts": {"1": [[5, 6]]}, "new_tokens": 2, "repeats": 1, "ttft_prompts": [[7], [8]]}
+    spec["prefix_prompts"] = [[1, 2], [1, 3]]
     spec_file, result_file = tmp_path / "spec.json", tmp_path / "result.json"
     spec_file.write_text(json.dumps(spec))
     peers.worker("nanoserve", str(spec_file), str(result_file))
     result = json.loads(result_file.read_text())
     assert result["tok_s"] == {"1": [2.0]} and result["sampled_tok_s"] == {"1": [2.0]}
-    assert result["ttft_s"] == [] and result["error"].startswith("TTFT: ValueError: prompt longer")
+    assert result["ttft_s"] == [] and result["prefix_ttft_s"] == []
+    assert result["error"].startswith("TTFT: ValueError: prompt longer")  # the first failure's
 
 
 # a worker that starts a child of its own (as an engine does), writes the child's pid to argv[1] and runs
