@@ -68,8 +68,10 @@ def system_label(system: str) -> str:
 
 MODES = (("tok_s", ""), ("sampled_tok_s", " sampled"))
 """Each system's measurements: (result key, label suffix), greedy then sampled."""
-TTFT_KEYS = ("ttft_s", "prefix_ttft_s")
-"""Its times to first token: distinct prompts, then prompts after a cached prefix."""
+TTFT_RUNS = (("ttft_s", "ttft_prompts", "TTFT"), ("prefix_ttft_s", "prefix_prompts", "cached-prefix TTFT"))
+"""Its times to first token, in order: (result key, spec's prompts, label in an error); distinct prompts, then
+prompts after a cached prefix. The first prompt of each is a warm-up."""
+TTFT_KEYS = tuple(key for key, _, _ in TTFT_RUNS)
 
 # A runner: (throughput(prompts, new_tokens, sampled) -> tok/s, ttft(prompt) -> seconds, largest batch it runs).
 Runner = tuple[Callable[[list[list[int]], int, bool], float], Callable[[list[int]], float], int | None]
@@ -199,18 +201,15 @@ def worker(system: str, spec_file: str, result_file: str) -> None:
 
     try:
         throughput, ttft, max_batch = RUNNERS[system](spec)
-        try:
-            ttft(spec["ttft_prompts"][0])  # warm-up
-            result["ttft_s"] = [ttft(p) for p in spec["ttft_prompts"][1:]]
-        except Exception as e:  # the row says why, and the throughput runs still go ahead
-            result["error"] = f"TTFT: {type(e).__name__}: {e}".splitlines()[0][:200]
-        if spec["prefix_prompts"]:
+        for key, prompts_key, label in TTFT_RUNS:
+            prompts = spec[prompts_key]
+            if not prompts:
+                continue
             try:
-                ttft(spec["prefix_prompts"][0])  # puts the shared prefix in the cache
-                result["prefix_ttft_s"] = [ttft(p) for p in spec["prefix_prompts"][1:]]
-            except Exception as e:
-                failure = f"cached-prefix TTFT: {type(e).__name__}: {e}".splitlines()[0][:200]
-                result["error"] = result["error"] or failure
+                ttft(prompts[0])  # warm-up; for the chat turn, it also caches the shared prefix
+                result[key] = [ttft(p) for p in prompts[1:]]
+            except Exception as e:  # the row says why (the first failure), and the other runs still go ahead
+                result["error"] = result["error"] or f"{label}: {type(e).__name__}: {e}".splitlines()[0][:200]
         save()
         for batch, prompts in spec["prompts"].items():
             if max_batch is not None and int(batch) > max_batch:

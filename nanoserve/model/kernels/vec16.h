@@ -64,9 +64,13 @@ inline row_lanes load_row_lanes(const float* x) {
 }
 
 inline float largest_lane(row_lanes v) {
+#if defined(__AVX512F__)
+  return max16(v);
+#else
   float largest = v[0];
   for (int64_t t = 1; t < ROW_LANES; ++t) largest = std::max(largest, v[t]);
   return largest;
+#endif
 }
 
 inline float lane_sum(row_lanes v) {
