@@ -2,7 +2,7 @@
 
 Sockets (the frontend binds both, this process connects):
   input   DEALER, identity = rank as 2 bytes little-endian. Receives `[request_type, *payload]` from the
-          frontend's ROUTER. At start-up it sends the other way: one `EngineHandshakePhase` per phase
+          frontend's ROUTER; an ADD's payload is a list of requests, which enter the same step. At start-up it sends the other way: one `EngineHandshakePhase` per phase
           (started, loading_weights, sizing_kv_cache), then `[phase "ready", EngineCoreReadyResponse]`.
   output  PUSH. Sends one encoded `EngineCoreOutputs` per message to the frontend's PULL.
   stats   PUSH, data parallel only. Sends an `EngineLoad` to the coordinator's PULL whenever the queue
@@ -237,26 +237,8 @@ class EngineCoreProc:
 
     def _handle_input(self, request_type: Any, payload: Any) -> None:
         if request_type is EngineCoreRequestType.ADD:
-            if self.shutdown_requested:
-                out = EngineCoreOutput(payload.request_id, [], finish_reason=FinishReason.ABORT)
-                self.output_queue.put_nowait(
-                    EngineCoreOutputs(self.engine_rank, [out], finished_requests={payload.request_id})
-                )
-                return
-            self._in_flight.add(payload.request_id)
-            try:
-                self.engine.add_request(payload)
-            except Exception as e:  # a bad request must not take the engine down
-                logger.exception(
-                    "engine core %d: request %s failed to enter", self.engine_rank, payload.request_id
-                )
-                out = EngineCoreOutput(
-                    payload.request_id, [], finish_reason=FinishReason.ERROR, error=f"{type(e).__name__}: {e}"
-                )
-                self._in_flight.discard(payload.request_id)
-                self.output_queue.put_nowait(
-                    EngineCoreOutputs(self.engine_rank, [out], finished_requests={payload.request_id})
-                )
+            for request in payload:
+                self._add_request(request)
         elif request_type is EngineCoreRequestType.ABORT:
             self.engine.abort_requests(payload)
         elif request_type is EngineCoreRequestType.UTILITY:
@@ -267,6 +249,25 @@ class EngineCoreProc:
             raise RuntimeError(
                 f"an engine core I/O thread failed: {type(payload).__name__}: {payload}"
             ) from payload
+
+    def _add_request(self, request: EngineCoreRequest) -> None:
+        request_id = request.request_id
+        if self.shutdown_requested:
+            self._finish_unstarted(request_id, FinishReason.ABORT)
+            return
+        self._in_flight.add(request_id)
+        try:
+            self.engine.add_request(request)
+        except Exception as e:  # a bad request must not take the engine down
+            logger.exception("engine core %d: request %s failed to enter", self.engine_rank, request_id)
+            self._in_flight.discard(request_id)
+            self._finish_unstarted(request_id, FinishReason.ERROR, f"{type(e).__name__}: {e}")
+
+    def _finish_unstarted(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
+        out = EngineCoreOutput(request_id, [], finish_reason=reason, error=error)
+        self.output_queue.put_nowait(
+            EngineCoreOutputs(self.engine_rank, [out], finished_requests={request_id})
+        )
 
     def _run_utility(self, request: EngineCoreUtilityRequest) -> None:
         call_id = request.call_id
@@ -305,11 +306,12 @@ class EngineCoreProc:
 
     def _process_input_socket(self) -> None:
         decoders = {
-            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+            EngineCoreRequestType.ADD: MsgpackDecoder(list[EngineCoreRequest]),
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY: MsgpackDecoder(EngineCoreUtilityRequest),
             EngineCoreRequestType.SHUTDOWN: MsgpackDecoder(None),
         }
+        single_request = MsgpackDecoder(EngineCoreRequest)
         stop = self.ctx.socket(zmq.PAIR)
         stop.connect(self._stop_address)
         poller = zmq.Poller()
@@ -324,7 +326,11 @@ class EngineCoreProc:
                     request_type = EngineCoreRequestType(type_frame.bytes)
                     payload = decoders[request_type].decode(frames)
                 except Exception as e:
-                    self._reject_undecodable(type_frame.bytes, frames, e)
+                    if type_frame.bytes == EngineCoreRequestType.ADD.value:
+                        payload = self._decode_each_request(single_request, frames, e)
+                        self.input_queue.put_nowait((EngineCoreRequestType.ADD, payload))
+                    else:
+                        logger.error("engine core %d: rejected an undecodable input: %s", self.engine_rank, e)
                     continue
                 self.input_queue.put_nowait((request_type, payload))
         except Exception as e:
@@ -333,23 +339,36 @@ class EngineCoreProc:
             stop.close(linger=0)
             self.input_socket.close(linger=0)
 
-    def _reject_undecodable(self, type_byte: bytes, frames: list, error: Exception) -> None:
+    def _decode_each_request(
+        self, decoder: MsgpackDecoder, frames: list, error: Exception
+    ) -> list[EngineCoreRequest]:
+        """An ADD that failed to decode as a whole: the requests that decode on their own go ahead, the
+        others finish with an ERROR output, where their id can be read."""
+        try:
+            items = msgspec.msgpack.decode(frames[0].buffer, type=list[msgspec.Raw])
+        except Exception:
+            items = []
+        if not items:
+            logger.error("engine core %d: rejected an undecodable ADD: %s", self.engine_rank, error)
+        requests = []
+        for item in items:
+            try:
+                requests.append(decoder.decode([item, *frames[1:]]))  # zero-copy frames keep their indices
+            except Exception as e:
+                self._reject_undecodable(item, e)
+        return requests
+
+    def _reject_undecodable(self, item: msgspec.Raw, error: Exception) -> None:
         """Finish a request that fails to decode with an ERROR output, if its id can be read."""
         request_id = None
-        if type_byte == EngineCoreRequestType.ADD.value:
-            with contextlib.suppress(Exception):
-                raw = msgspec.msgpack.decode(frames[0].buffer)  # array_like: the id comes first
-                request_id = raw[0] if isinstance(raw, list) and isinstance(raw[0], str) else None
+        with contextlib.suppress(Exception):
+            raw = msgspec.msgpack.decode(item)  # array_like: the id comes first
+            request_id = raw[0] if isinstance(raw, list) and isinstance(raw[0], str) else None
         logger.error(
-            "engine core %d: rejected an undecodable input (%s): %s", self.engine_rank, request_id, error
+            "engine core %d: rejected an undecodable request (%s): %s", self.engine_rank, request_id, error
         )
         if request_id is not None:
-            out = EngineCoreOutput(
-                request_id, [], finish_reason=FinishReason.ERROR, error=f"Invalid request: {error}"
-            )
-            self.output_queue.put_nowait(
-                EngineCoreOutputs(self.engine_rank, [out], finished_requests={request_id})
-            )
+            self._finish_unstarted(request_id, FinishReason.ERROR, f"Invalid request: {error}")
 
     def _process_output_queue(self) -> None:
         encoder = MsgpackEncoder()

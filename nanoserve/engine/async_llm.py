@@ -333,8 +333,7 @@ class AsyncLLM:
         self.streams[request_id] = stream
         self._timings[request_id] = _RequestTiming(time.monotonic(), len(request.prompt_token_ids))
         try:
-            for engine_request in engine_requests:
-                await self.engine_core.add_request_async(engine_request)
+            await self.engine_core.add_requests_async(engine_requests)
         except BaseException:
             await self.abort(request_id)
             raise

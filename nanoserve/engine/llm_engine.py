@@ -7,6 +7,8 @@ It holds three pieces in request order: Processor (prompt -> EngineCoreRequest),
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from nanoserve.config import EngineOptions
 from nanoserve.engine.core_client.base import EngineCoreClient
 from nanoserve.engine.output_processor import OutputProcessor
@@ -43,12 +45,29 @@ class LLMEngine:
         final_output_only: the caller reads only the finished output; without stop strings the engine then
         sends the first token and then chunks of tokens, not every step, so `step` returns this request's
         output less often (see EngineCoreRequest.final_output_only)."""
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"Request id {request_id!r} is already running.")
-        params = params or SamplingParams(**self.generation_defaults)
-        text, request = self.processor.process(request_id, prompt, params, final_output_only)
-        for engine_request in self.output_processor.add_request(request, text):
-            self.engine_core.add_request(engine_request)
+        self.add_requests([(request_id, prompt, params)], final_output_only)
+
+    def add_requests(
+        self,
+        requests: Sequence[tuple[str, PromptType, SamplingParams | None]],
+        final_output_only: bool = False,
+    ) -> None:
+        """Validate and queue (request id, prompt, params) triples as `add_request` does, all or none: the
+        engine core gets them together, so a batch starts in one step and its requests finish together."""
+        processed = []
+        seen: set[str] = set()
+        for request_id, prompt, params in requests:
+            if request_id in self.output_processor.requests or request_id in seen:
+                raise ValueError(f"Request id {request_id!r} is already running.")
+            seen.add(request_id)
+            params = params or SamplingParams(**self.generation_defaults)
+            processed.append(self.processor.process(request_id, prompt, params, final_output_only))
+        engine_requests = [
+            engine_request
+            for text, request in processed
+            for engine_request in self.output_processor.add_request(request, text)
+        ]
+        self.engine_core.add_requests(engine_requests)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):

@@ -80,8 +80,8 @@ class LLM:
                 )
         request_ids = [str(next(self._request_counter)) for _ in prompts]
         try:
-            for request_id, prompt, params in zip(request_ids, prompts, params_list, strict=True):
-                self.llm_engine.add_request(request_id, prompt, params, final_output_only=True)
+            batch = list(zip(request_ids, prompts, params_list, strict=True))
+            self.llm_engine.add_requests(batch, final_output_only=True)
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
             # leave the engine clean for the next call, whatever went wrong in this one

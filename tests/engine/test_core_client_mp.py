@@ -326,6 +326,41 @@ def test_bad_request_finishes_with_error_and_engine_serves_on(sync_client):
     assert run_sync(sync_client, requests(1)) == inproc_tokens(NULL, requests(1))
 
 
+@pytest.mark.timeout(120)
+def test_requests_added_together_enter_the_same_step(sync_client):
+    batch = requests(8, max_tokens=4)
+    sync_client.add_requests(batch)
+    first = sync_client.get_output(timeout=10)
+    assert sorted(o.request_id for o in first.outputs) == sorted(r.request_id for r in batch)
+    assert all(len(o.new_token_ids) == 1 for o in first.outputs)
+    finished: set[str] = set()
+    while len(finished) < len(batch):
+        finished_now = sync_client.get_output(timeout=10).finished_requests or set()
+        assert not finished or not finished_now, "the batch finished over more than one step"
+        finished |= finished_now
+    assert finished == {r.request_id for r in batch}
+
+
+@pytest.mark.timeout(120)
+def test_an_undecodable_request_fails_alone_in_its_batch(sync_client):
+    params = SamplingParams(max_tokens=3)
+    params.temperature = -1.0  # invalid, and so undecodable on the engine side
+    good = requests(2, max_tokens=3)
+    sync_client.add_requests([good[0], EngineCoreRequest("invalid", [1, 2], params), good[1]])
+    reasons: dict[str, FinishReason] = {}
+    errors: dict[str, str | None] = {}
+    while len(reasons) < 3:
+        for o in sync_client.get_output(timeout=10).outputs:
+            if o.finish_reason is not None:
+                reasons[o.request_id], errors[o.request_id] = o.finish_reason, o.error
+    assert reasons == {
+        "req-0": FinishReason.LENGTH,
+        "req-1": FinishReason.LENGTH,
+        "invalid": FinishReason.ERROR,
+    }
+    assert "temperature" in (errors["invalid"] or "")
+
+
 # -- shutdown and start-up failures -------------------------------------------------------------------
 
 

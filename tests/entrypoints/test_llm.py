@@ -123,6 +123,12 @@ def test_duplicate_request_id(llm):
     finally:
         engine.abort_request("dup")
     assert_idle(llm)
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_requests([("twice", "hello", GREEDY), ("twice", "again", GREEDY)])
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_requests([("valid", "hello", GREEDY), ("empty", "", GREEDY)])
+    assert engine.get_num_unfinished_requests() == 0  # all or none: nothing of either batch was queued
+    assert_idle(llm)
 
 
 def test_engine_step_streams_and_abort(llm):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -180,9 +180,9 @@ class AsyncMPClient(MPClient):
         self.reader.ensure_task()
         return self.router.consume(await self.reader.get(timeout))
 
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
+    async def add_requests_async(self, requests: Sequence[EngineCoreRequest]) -> None:
         self.reader.ensure_task()
-        self._add(request)
+        self._add(requests)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         self._abort(request_ids)

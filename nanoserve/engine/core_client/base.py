@@ -7,6 +7,7 @@ synchronous or asyncio. `make_client` picks the variant; the frontend never know
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 from nanoserve.config import EngineOptions
@@ -71,6 +72,11 @@ class EngineCoreClient(ABC):
         raise NotImplementedError
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        self.add_requests([request])
+
+    def add_requests(self, requests: Sequence[EngineCoreRequest]) -> None:
+        """Add several requests at once: an engine sees them together, so they enter the same step
+        (a batch whose first request started alone would finish a step behind the rest)."""
         raise NotImplementedError
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -106,7 +112,10 @@ class EngineCoreClient(ABC):
         raise NotImplementedError(f"{type(self).__name__} is synchronous; use get_output().")
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        raise NotImplementedError(f"{type(self).__name__} is synchronous; use add_request().")
+        await self.add_requests_async([request])
+
+    async def add_requests_async(self, requests: Sequence[EngineCoreRequest]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} is synchronous; use add_requests().")
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         raise NotImplementedError(f"{type(self).__name__} is synchronous; use abort_requests().")

@@ -6,6 +6,7 @@ produced. It backs the synchronous frontends when multiprocessing is off.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from nanoserve.config import EngineOptions
@@ -26,8 +27,9 @@ class InprocClient(EngineCoreClient):
         self.engine_core.post_step()
         return outputs
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self.engine_core.add_request(request)
+    def add_requests(self, requests: Sequence[EngineCoreRequest]) -> None:
+        for request in requests:
+            self.engine_core.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:

@@ -35,7 +35,7 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol, TypeVar
@@ -308,17 +308,24 @@ class MPClient(EngineCoreClient):
             self.ensure_alive()
             raise EngineDeadError(f"Could not send to the engine core: {e}") from e
 
-    def _add(self, request: EngineCoreRequest) -> None:
-        """To a live rank now; to a restarting one with its replay."""
+    def _add(self, requests: Sequence[EngineCoreRequest]) -> None:
+        """To live ranks now, one message per rank so that each engine takes its share in one step; to a
+        restarting rank with its replay."""
         self.ensure_alive()
+        batches: dict[int, list[EngineCoreRequest]] = {}
         with self.liveness.lock:
-            rank = self.router.choose(request, self.liveness)
-            state = self.liveness.state(rank)
-            if state is RankState.FINAL:
-                raise self.liveness.error(rank) or EngineDeadError()
-            self.ledger.add(rank, request)
-            if state is RankState.ALIVE:
-                self._send(rank, EngineCoreRequestType.ADD, request)
+            try:
+                for request in requests:
+                    rank = self.router.choose(request, self.liveness)
+                    state = self.liveness.state(rank)
+                    if state is RankState.FINAL:
+                        raise self.liveness.error(rank) or EngineDeadError()
+                    self.ledger.add(rank, request)
+                    if state is RankState.ALIVE:
+                        batches.setdefault(rank, []).append(request)
+            finally:  # what the ledger and router took is sent, even when a later request fails
+                for rank, batch in batches.items():
+                    self._send(rank, EngineCoreRequestType.ADD, batch)
 
     def _abort(self, request_ids: list[str]) -> None:
         if not request_ids or self.liveness.is_dead:

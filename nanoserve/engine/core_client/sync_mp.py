@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, cast
@@ -134,8 +134,8 @@ class SyncMPClient(MPClient):
         self._ensure_open()
         return self.router.consume(self.reader.get(timeout))
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self._add(request)
+    def add_requests(self, requests: Sequence[EngineCoreRequest]) -> None:
+        self._add(requests)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._abort(request_ids)

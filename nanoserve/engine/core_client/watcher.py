@@ -131,8 +131,8 @@ class RankWatcher:
             if level:
                 send(rank, EngineCoreRequestType.UTILITY, self._restore_sleep(incarnation, level))
             requests = ledger.resumed_requests(rank)
-            for request in requests:
-                send(rank, EngineCoreRequestType.ADD, request)
+            if requests:
+                send(rank, EngineCoreRequestType.ADD, requests)
             for utility in ledger.take_held_utilities(rank):
                 send(rank, EngineCoreRequestType.UTILITY, utility)
             liveness.revived(rank)
