@@ -2,8 +2,9 @@
 
 Sockets (the frontend binds both, this process connects):
   input   DEALER, identity = rank as 2 bytes little-endian. Receives `[request_type, *payload]` from the
-          frontend's ROUTER; an ADD's payload is a list of requests, which enter the same step. At start-up it sends the other way: one `EngineHandshakePhase` per phase
-          (started, loading_weights, sizing_kv_cache), then `[phase "ready", EngineCoreReadyResponse]`.
+          frontend's ROUTER; an ADD's payload is a list of requests, which enter the same step. At start-up
+          it sends the other way: one `EngineHandshakePhase` per phase (started, loading_weights,
+          sizing_kv_cache), then `[phase "ready", EngineCoreReadyResponse]`.
   output  PUSH. Sends one encoded `EngineCoreOutputs` per message to the frontend's PULL.
   stats   PUSH, data parallel only. Sends an `EngineLoad` to the coordinator's PULL whenever the queue
           lengths or KV use in a step's stats change (never blocks: dropped if the coordinator is gone).
@@ -326,12 +327,11 @@ class EngineCoreProc:
                     request_type = EngineCoreRequestType(type_frame.bytes)
                     payload = decoders[request_type].decode(frames)
                 except Exception as e:
-                    if type_frame.bytes == EngineCoreRequestType.ADD.value:
-                        payload = self._decode_each_request(single_request, frames, e)
-                        self.input_queue.put_nowait((EngineCoreRequestType.ADD, payload))
-                    else:
+                    if type_frame.bytes != EngineCoreRequestType.ADD.value:
                         logger.error("engine core %d: rejected an undecodable input: %s", self.engine_rank, e)
-                    continue
+                        continue
+                    request_type = EngineCoreRequestType.ADD
+                    payload = self._decode_each_request(single_request, frames, e)
                 self.input_queue.put_nowait((request_type, payload))
         except Exception as e:
             self.input_queue.put_nowait((None, e))
