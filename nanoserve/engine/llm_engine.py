@@ -7,6 +7,7 @@ It holds three pieces in request order: Processor (prompt -> EngineCoreRequest),
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 from nanoserve.config import EngineOptions
@@ -67,7 +68,12 @@ class LLMEngine:
             for text, request in processed
             for engine_request in self.output_processor.add_request(request, text)
         ]
-        self.engine_core.add_requests(engine_requests)
+        try:
+            self.engine_core.add_requests(engine_requests)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error worth raising is the one that got here
+                self.abort_request([request.request_id for _, request in processed])
+            raise
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):

@@ -326,13 +326,15 @@ def exact_draw(
     return int(order[torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=len(cdf) - 1)])
 
 
-def test_kernel_draws_match_exact_sampling_over_a_real_sized_vocabulary():
+@pytest.mark.parametrize("vocab", [49152, 1000])
+def test_kernel_draws_match_exact_sampling_over_a_real_sized_vocabulary(vocab):
     """bf16-rounded logits over 49152 tokens (many ties), peaky and flat rows: the kernel's draws are
-    those of float64 arithmetic over a full sort, whether the kept tokens are a few or thousands."""
+    those of float64 arithmetic over a full sort, whether the kept tokens are a few or thousands. 1000
+    tokens end in a partial 64-token block, which the kernel pads."""
     module = cpu_kernels()
     if module is None:
         pytest.skip("the C++ CPU kernels cannot be built here")
-    vocab, rows = 49152, 8
+    rows = 8
     gen = torch.Generator().manual_seed(3)
     cases = [
         (0.8, 0, 1.0, 0.0),
@@ -357,6 +359,29 @@ def test_kernel_draws_match_exact_sampling_over_a_real_sized_vocabulary():
                 agree += tokens[row] == expected
                 total += 1
     assert total - agree <= 1, f"{total - agree} of {total} draws differ"
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), "all -inf"])
+def test_kernel_draws_stay_in_the_vocabulary_for_non_finite_logits(bad):
+    module = cpu_kernels()
+    if module is None:
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    vocab = 1000
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(4))
+    if bad == "all -inf":
+        logits[:] = float("-inf")
+    else:
+        logits[:, 700] = bad
+    rules = [
+        (0.0, 0, 1.0, 0.0),
+        (0.8, 0, 1.0, 0.0),
+        (0.8, 0, 0.95, 0.0),
+        (0.8, 50, 1.0, 0.0),
+        (0.8, 0, 1.0, 0.1),
+    ]
+    temperature, top_k, top_p, min_p = (list(column) for column in zip(*rules, strict=True))
+    tokens = module.sample_rows(logits, temperature, top_k, top_p, min_p, torch.rand(5)).tolist()
+    assert all(0 <= token < vocab for token in tokens), tokens
 
 
 def test_kernel_refuses_rules_that_do_not_match_its_rows():

@@ -106,7 +106,7 @@ class EngineCoreClient(ABC):
     def save_sharded_state(self, path: str) -> None:
         self.call_utility("save_sharded_state", path)
 
-    # asyncio twins: only the asyncio clients implement them.
+    # asyncio twins: only the asyncio clients implement them (add_request_async wraps add_requests_async).
 
     async def get_output_async(self, timeout: float | None = None) -> EngineCoreOutputs:
         raise NotImplementedError(f"{type(self).__name__} is synchronous; use get_output().")

@@ -311,6 +311,8 @@ class MPClient(EngineCoreClient):
     def _add(self, requests: Sequence[EngineCoreRequest]) -> None:
         """To live ranks now, one message per rank so that each engine takes its share in one step; to a
         restarting rank with its replay."""
+        if not requests:
+            return
         self.ensure_alive()
         batches: dict[int, list[EngineCoreRequest]] = {}
         with self.liveness.lock:
@@ -324,8 +326,23 @@ class MPClient(EngineCoreClient):
                     if state is RankState.ALIVE:
                         batches.setdefault(rank, []).append(request)
             finally:  # what the ledger and router took is sent, even when a later request fails
-                for rank, batch in batches.items():
-                    self._send(rank, EngineCoreRequestType.ADD, batch)
+                self._send_batches(batches)
+
+    def _send_batches(self, batches: dict[int, list[EngineCoreRequest]]) -> None:
+        """One ADD per rank. A batch that cannot be sent (it does not encode, or the rank is gone) leaves
+        the ledger and the router, so nothing waits for it; the others go all the same. The first failure
+        is raised."""
+        failure: Exception | None = None
+        for rank, batch in batches.items():
+            try:
+                self._send(rank, EngineCoreRequestType.ADD, batch)
+            except Exception as e:
+                ids = [request.request_id for request in batch]
+                self.ledger.discard(ids)
+                self.router.released(ids)
+                failure = failure or e
+        if failure is not None:
+            raise failure
 
     def _abort(self, request_ids: list[str]) -> None:
         if not request_ids or self.liveness.is_dead:

@@ -35,8 +35,6 @@ struct RowRule {
   float uniform;
 };
 
-inline row_lanes larger(row_lanes a, row_lanes b) { return a > b ? a : b; }
-
 // Four running maxima of the CPU's vector width each: a single one would wait on its own previous result
 // every step, and the compiler does not split a max reduction by itself (it ran at a float per cycle). They
 // are named values, not an array: GCC keeps an array of vectors in memory. They are row_lanes, not vec16:
@@ -50,12 +48,12 @@ float row_max(const float* x, int64_t vocab) {
     row_lanes m0 = load_row_lanes(x), m1 = load_row_lanes(x + ROW_LANES);
     row_lanes m2 = load_row_lanes(x + 2 * ROW_LANES), m3 = load_row_lanes(x + 3 * ROW_LANES);
     for (i = STEP; i + STEP <= vocab; i += STEP) {
-      m0 = larger(m0, load_row_lanes(x + i));
-      m1 = larger(m1, load_row_lanes(x + i + ROW_LANES));
-      m2 = larger(m2, load_row_lanes(x + i + 2 * ROW_LANES));
-      m3 = larger(m3, load_row_lanes(x + i + 3 * ROW_LANES));
+      m0 = max_lanes(m0, load_row_lanes(x + i));
+      m1 = max_lanes(m1, load_row_lanes(x + i + ROW_LANES));
+      m2 = max_lanes(m2, load_row_lanes(x + i + 2 * ROW_LANES));
+      m3 = max_lanes(m3, load_row_lanes(x + i + 3 * ROW_LANES));
     }
-    m = largest_lane(larger(larger(m0, m1), larger(m2, m3)));
+    m = largest_lane(max_lanes(max_lanes(m0, m1), max_lanes(m2, m3)));
   }
   for (; i < vocab; ++i) m = std::max(m, x[i]);
   return m;
@@ -78,36 +76,37 @@ struct RowMasses {
   double total = 0.0;
 };
 
+// One block's 64 masses into e and their largest into most; returns their sum, in float. The exp is vec16.h's
+// polynomial, inlined: a call to the C library's vector expf per 8 masses made the masses 60 % of a sampled
+// batch-32 draw on a Zen 3, and a second pass for the block maxima (a row_max per block) another fifth.
+float block_masses(const float* x, float m, float inv_t, float* e, float& most) {
+  row_lanes sum = {}, largest = {};
+  for (int64_t j = 0; j < BLOCK; j += ROW_LANES) {
+    const row_lanes mass = exp_lanes<row_lanes, row_int_lanes>((load_row_lanes(x + j) - m) * inv_t);
+    std::memcpy(e + j, &mass, sizeof mass);
+    sum += mass;
+    largest = max_lanes(largest, mass);
+  }
+  most = largest_lane(largest);
+  return lane_sum(sum);
+}
+
 // The total is kept in double: in float, a walk over a flat row of 49152 tokens drifts by more than a
-// token's mass; only each block's 64 masses are summed in float first. The exp is vec16.h's polynomial,
-// inlined: a call to the C library's vector expf per 8 masses made this pass 60 % of a sampled batch-32
-// draw on a Zen 3, and a second pass for the block maxima (a row_max per block) another fifth.
+// token's mass. A non-finite maximum (an inf or NaN logit) leaves every mass 0.
 void fill_masses(const float* x, int64_t vocab, float inv_t, RowMasses& masses) {
   const float m = row_max(x, vocab);
   masses.e.resize(vocab);
   masses.block_max.resize((vocab + BLOCK - 1) / BLOCK);
   float* e = masses.e.data();
   double total = 0.0;
-  int64_t i = 0;
-  for (; i + BLOCK <= vocab; i += BLOCK) {
-    row_lanes sum = {}, most = {};
-    for (int64_t j = i; j < i + BLOCK; j += ROW_LANES) {
-      const row_lanes mass = exp_lanes<row_lanes, row_int_lanes>((load_row_lanes(x + j) - m) * inv_t);
-      std::memcpy(e + j, &mass, sizeof mass);
-      sum += mass;
-      most = larger(most, mass);
-    }
-    total += lane_sum(sum);
-    masses.block_max[i / BLOCK] = largest_lane(most);
-  }
-  if (i < vocab) {
-    float most = 0.f;
-    for (int64_t j = i; j < vocab; ++j) {
-      e[j] = std::exp((x[j] - m) * inv_t);
-      total += e[j];
-      most = std::max(most, e[j]);
-    }
-    masses.block_max[i / BLOCK] = most;
+  const int64_t whole = vocab / BLOCK * BLOCK;
+  for (int64_t i = 0; i < whole; i += BLOCK) total += block_masses(x + i, m, inv_t, e + i, masses.block_max[i / BLOCK]);
+  if (whole < vocab) {  // the last block, padded with -inf (no mass), by the same arithmetic as the others
+    float padded[BLOCK], padded_e[BLOCK];
+    std::fill(padded, padded + BLOCK, -std::numeric_limits<float>::infinity());
+    std::copy(x + whole, x + vocab, padded);
+    total += block_masses(padded, m, inv_t, padded_e, masses.block_max[whole / BLOCK]);
+    std::copy(padded_e, padded_e + (vocab - whole), e + whole);
   }
   masses.total = total;
 }
@@ -168,7 +167,7 @@ void top_k_tokens(const RowMasses& masses, int64_t vocab, int64_t k, std::vector
       if (e[i] >= floor) candidates.emplace_back(e[i], i);
     }
   }
-  k = std::min<int64_t>(k, static_cast<int64_t>(candidates.size()));  // fewer only where masses are NaN
+  k = std::min<int64_t>(k, static_cast<int64_t>(candidates.size()));  // a guard: k blocks reach the floor
   const auto better = [](const Candidate& a, const Candidate& b) { return comes_after(b, a); };
   std::partial_sort(candidates.begin(), candidates.begin() + k, candidates.end(), better);
   ordered.assign(candidates.begin(), candidates.begin() + k);
@@ -178,7 +177,6 @@ void top_k_tokens(const RowMasses& masses, int64_t vocab, int64_t k, std::vector
 int64_t draw_top_k(const RowMasses& masses, int64_t vocab, const RowRule& rule, std::vector<Candidate>& candidates,
                    std::vector<Candidate>& ordered) {
   top_k_tokens(masses, vocab, rule.top_k, candidates, ordered);
-  if (ordered.empty()) return 0;  // every mass NaN (non-finite logits): nothing to draw from
   double top_mass = 0.0;
   for (const Candidate& candidate : ordered) top_mass += candidate.first;
   const double p_limit = rule.top_p * top_mass;
@@ -232,6 +230,7 @@ int64_t draw_top_p(const RowMasses& masses, int64_t vocab, const RowRule& rule, 
     // an uncollected token has less mass than every collected one, and less than factor: it is cut if
     // the collected ones reached top-p's limit, or if min-p cuts below factor
     ended = ended || everything || cumulative >= p_limit || (rule.min_p > 0.f && rule.min_p >= factor);
+    if (ended && kept == 0) return 0;  // no token has mass (non-finite logits): nothing to draw from
     if (ended) return pick(ordered, kept, rule.uniform * cumulative);
   }
   return ordered.front().second;  // not reached: the last factor collects every token

@@ -32,7 +32,10 @@ inline V exp_lanes(V x) {
   return (V)(scaled & keep);
 }
 
-inline vec16 max_lanes(vec16 a, vec16 b) { return a > b ? a : b; }
+template <typename V>
+inline V max_lanes(V a, V b) {
+  return a > b ? a : b;
+}
 
 // The largest lane, halving the vector four times: a loop over the lanes compiled to stores and scalar
 // compares, about four times the instructions, and the sampler's 64-token block maxima wait on it.
@@ -83,8 +86,7 @@ inline float lane_sum(row_lanes v) {
 inline float max_of(const float* x, int64_t n) {
   row_lanes most = load_row_lanes(x);
   for (int64_t i = ROW_LANES; i < n; i += ROW_LANES) {
-    const row_lanes v = load_row_lanes(x + i);
-    most = most > v ? most : v;
+    most = max_lanes(most, load_row_lanes(x + i));
   }
   return largest_lane(most);
 }
