@@ -22,15 +22,19 @@ def make_request(rid: str = "r", prompt=(1, 2, 3), output=(), **params) -> Reque
     return request
 
 
-@pytest.fixture(params=["pytorch", "cpu-kernel"])
-def kernels(request):
-    """Every test runs on both sampling paths: PyTorch ops and the C++ kernel's sample_rows."""
-    if request.param == "pytorch":
-        return None
+@pytest.fixture
+def kernel_module():
+    """The C++ kernels' module, for the tests of sample_rows itself."""
     module = cpu_kernels()
     if module is None:
         pytest.skip("the C++ CPU kernels cannot be built here")
     return module
+
+
+@pytest.fixture(params=["pytorch", "cpu-kernel"])
+def kernels(request):
+    """Every test runs on both sampling paths: PyTorch ops and the C++ kernel's sample_rows."""
+    return None if request.param == "pytorch" else request.getfixturevalue("kernel_module")
 
 
 def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
@@ -327,13 +331,10 @@ def exact_draw(
 
 
 @pytest.mark.parametrize("vocab", [49152, 1000])
-def test_kernel_draws_match_exact_sampling_over_a_real_sized_vocabulary(vocab):
+def test_kernel_draws_match_exact_sampling_over_a_real_sized_vocabulary(kernel_module, vocab):
     """bf16-rounded logits over 49152 tokens (many ties), peaky and flat rows: the kernel's draws are
     those of float64 arithmetic over a full sort, whether the kept tokens are a few or thousands. 1000
     tokens end in a partial 64-token block, which the kernel pads."""
-    module = cpu_kernels()
-    if module is None:
-        pytest.skip("the C++ CPU kernels cannot be built here")
     rows = 8
     gen = torch.Generator().manual_seed(3)
     cases = [
@@ -351,7 +352,7 @@ def test_kernel_draws_match_exact_sampling_over_a_real_sized_vocabulary(vocab):
         logits = (torch.randn(rows, vocab, generator=gen) * scale).bfloat16().float()
         for temperature, top_k, top_p, min_p in cases:
             uniforms = torch.rand(rows, generator=gen)
-            tokens = module.sample_rows(
+            tokens = kernel_module.sample_rows(
                 logits, [temperature] * rows, [top_k] * rows, [top_p] * rows, [min_p] * rows, uniforms
             ).tolist()
             for row in range(rows):
@@ -362,10 +363,7 @@ def test_kernel_draws_match_exact_sampling_over_a_real_sized_vocabulary(vocab):
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan"), "all -inf"])
-def test_kernel_draws_stay_in_the_vocabulary_for_non_finite_logits(bad):
-    module = cpu_kernels()
-    if module is None:
-        pytest.skip("the C++ CPU kernels cannot be built here")
+def test_kernel_draws_stay_in_the_vocabulary_for_non_finite_logits(kernel_module, bad):
     vocab = 1000
     logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(4))
     if bad == "all -inf":
@@ -380,14 +378,11 @@ def test_kernel_draws_stay_in_the_vocabulary_for_non_finite_logits(bad):
         (0.8, 0, 1.0, 0.1),
     ]
     temperature, top_k, top_p, min_p = (list(column) for column in zip(*rules, strict=True))
-    tokens = module.sample_rows(logits, temperature, top_k, top_p, min_p, torch.rand(5)).tolist()
+    tokens = kernel_module.sample_rows(logits, temperature, top_k, top_p, min_p, torch.rand(5)).tolist()
     assert all(0 <= token < vocab for token in tokens), tokens
 
 
-def test_kernel_refuses_rules_that_do_not_match_its_rows():
-    module = cpu_kernels()
-    if module is None:
-        pytest.skip("the C++ CPU kernels cannot be built here")
+def test_kernel_refuses_rules_that_do_not_match_its_rows(kernel_module):
     logits = torch.zeros(2, 64)
     with pytest.raises(RuntimeError, match="one temperature, top_k, top_p, min_p and uniform per row"):
-        module.sample_rows(logits, [0.8], [0, 0], [1.0, 1.0], [0.0, 0.0], torch.rand(2))
+        kernel_module.sample_rows(logits, [0.8], [0, 0], [1.0, 1.0], [0.0, 0.0], torch.rand(2))

@@ -148,10 +148,11 @@ int64_t pick(const std::vector<Candidate>& ordered, size_t kept, double target) 
 // too, and only tokens at or above it are collected and ordered, typically from about k blocks. (Collecting
 // by a factor of the maximum, as top-p does, would order the whole vocabulary of a row whose mass sits
 // on fewer than k tokens.)
-void top_k_tokens(const RowMasses& masses, int64_t vocab, int64_t k, std::vector<Candidate>& candidates,
+void top_k_tokens(const RowMasses& masses, int64_t k, std::vector<Candidate>& candidates,
                   std::vector<Candidate>& ordered) {
   thread_local std::vector<float> kth;
   const float* e = masses.e.data();
+  const auto vocab = static_cast<int64_t>(masses.e.size());
   const std::vector<float>& block_max = masses.block_max;
   const int64_t blocks = static_cast<int64_t>(block_max.size());
   float floor = 0.f;  // no mass is less: where k exceeds the blocks, every token is collected
@@ -174,9 +175,9 @@ void top_k_tokens(const RowMasses& masses, int64_t vocab, int64_t k, std::vector
 }
 
 // The truncated draw under top-k: top-p against the top-k mass, then min-p against the maximum's mass, 1.
-int64_t draw_top_k(const RowMasses& masses, int64_t vocab, const RowRule& rule, std::vector<Candidate>& candidates,
+int64_t draw_top_k(const RowMasses& masses, const RowRule& rule, std::vector<Candidate>& candidates,
                    std::vector<Candidate>& ordered) {
-  top_k_tokens(masses, vocab, rule.top_k, candidates, ordered);
+  top_k_tokens(masses, rule.top_k, candidates, ordered);
   double top_mass = 0.0;
   for (const Candidate& candidate : ordered) top_mass += candidate.first;
   const double p_limit = rule.top_p * top_mass;
@@ -192,9 +193,10 @@ int64_t draw_top_k(const RowMasses& masses, int64_t vocab, const RowRule& rule, 
 
 // The truncated draw without top-k. The candidates are a heap, so only the tokens up to the kept prefix's
 // end are ordered (a flat row collects thousands and keeps hundreds); ordered holds them, largest first.
-int64_t draw_top_p(const RowMasses& masses, int64_t vocab, const RowRule& rule, std::vector<Candidate>& candidates,
+int64_t draw_top_p(const RowMasses& masses, const RowRule& rule, std::vector<Candidate>& candidates,
                    std::vector<Candidate>& ordered) {
   const float* e = masses.e.data();
+  const auto vocab = static_cast<int64_t>(masses.e.size());
   for (float factor : COLLECT_FACTORS) {
     const bool everything = factor == 0.f;
     candidates.clear();
@@ -243,8 +245,8 @@ int64_t sample_row(const float* x, int64_t vocab, const RowRule& rule) {
   fill_masses(x, vocab, 1.f / rule.temperature, masses);
   const bool truncates = rule.top_k < vocab || rule.top_p < 1.f || rule.min_p > 0.f;
   if (!truncates) return walk(masses.e.data(), vocab, rule.uniform * masses.total);
-  if (rule.top_k < vocab) return draw_top_k(masses, vocab, rule, candidates, ordered);
-  return draw_top_p(masses, vocab, rule, candidates, ordered);
+  if (rule.top_k < vocab) return draw_top_k(masses, rule, candidates, ordered);
+  return draw_top_p(masses, rule, candidates, ordered);
 }
 
 }  // namespace
