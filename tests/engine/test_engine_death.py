@@ -48,15 +48,21 @@ FAULT_SITECUSTOMIZE = textwrap.dedent(
 )
 
 
+LONG_TOKENS = 16_000
+"""A generation that outlasts every test that kills its engine mid-way, even on a fast CPU: on an AMD Zen
+5 the tiny model took under a second for a few hundred tokens."""
+
+
 def long_request(request_id: str = "long") -> EngineCoreRequest:
     return EngineCoreRequest(
-        request_id, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+        request_id, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=LONG_TOKENS, ignore_eos=True)
     )
 
 
 def tiny_options(model_dir: Path) -> EngineOptions:
-    # a real model so that generation takes seconds, not milliseconds
-    return EngineOptions(model=str(model_dir), dtype="float32", num_kv_blocks=64, num_threads=1)
+    """A real model with room for LONG_TOKENS positions, so that generation takes seconds."""
+    num_kv_blocks = -(-(LONG_TOKENS + 3) // 16)
+    return EngineOptions(model=str(model_dir), dtype="float32", num_kv_blocks=num_kv_blocks, num_threads=1)
 
 
 DEATH_NOTICE_S = 10.0
@@ -95,8 +101,8 @@ def in_thread(fn) -> tuple[threading.Thread, list]:
 
 
 @pytest.mark.timeout(180)
-def test_sigkill_sync_client_mid_generation(tiny_gqa_dir):
-    client = SyncMPClient(tiny_options(tiny_gqa_dir))
+def test_sigkill_sync_client_mid_generation(tiny_long_context_dir):
+    client = SyncMPClient(tiny_options(tiny_long_context_dir))
     try:
         pid = client.engine_pids()[0]
         client.add_request(long_request())
@@ -131,9 +137,9 @@ def test_sigkill_sync_client_mid_generation(tiny_gqa_dir):
 
 
 @pytest.mark.timeout(180)
-def test_sigkill_async_client_mid_generation(tiny_gqa_dir):
+def test_sigkill_async_client_mid_generation(tiny_long_context_dir):
     async def main():
-        client = AsyncMPClient(tiny_options(tiny_gqa_dir))
+        client = AsyncMPClient(tiny_options(tiny_long_context_dir))
         try:
             pid = client.engine_pids()[0]
             await client.add_request_async(long_request())

@@ -102,10 +102,10 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def wait_for(predicate, timeout: float = 10.0) -> bool:
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return True
-        time.sleep(0.05)
+        time.sleep(interval)
     return predicate()

@@ -428,10 +428,23 @@ def test_disconnect_aborts_request(server, model_name):
     assert wait_for(lambda: metric(server.url, "nanoserve:num_requests_running") == 0)
     assert wait_for(lambda: metric(server.url, "nanoserve:kv_cache_usage_perc") == 0)
 
-    # a non-streaming request whose client gives up is aborted too (4 x 480 tokens outlast the timeout)
-    body = {**body, "stream": False, "n": 4}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(), timeout=0.3)
+    # a non-streaming request whose client gives up once the server runs it is aborted too
+    body = {**body, "stream": False, "n": 8}
+
+    def running_or_done(post: asyncio.Task) -> bool:
+        return post.done() or metric(server.url, "nanoserve:num_requests_running") > 0
+
+    async def give_up() -> None:
+        async with httpx.AsyncClient(timeout=30) as http:
+            post = asyncio.create_task(http.post(f"{server.url}/v1/completions", json=body, headers=auth()))
+            await asyncio.sleep(0)  # the request is sent while the metrics are polled from a thread
+            assert await asyncio.to_thread(wait_for, lambda: running_or_done(post), 10.0, 0.005)
+            assert not post.done(), "8 x 480 tokens finished before the client could give up"
+            post.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await post
+
+    asyncio.run(give_up())
     assert wait_for(
         lambda: metric(server.url, "nanoserve:request_success_total", finished_reason="abort") == aborted + 2
     )
