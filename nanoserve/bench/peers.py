@@ -21,6 +21,11 @@ system is measured across the same stretch of time rather than each in its own. 
 run the machine's read bandwidth is measured and printed beside it: a batch-1 decode step is bound by it,
 and on a VM whose neighbours share the memory it moves from run to run (23-41 GB/s on a two-core Zen 3),
 so a system that ran while it was low can be told apart from a slow one.
+
+Each system's start-up is a second table: the seconds from constructing it to ready, and the memory that
+loading it and running its first prompts added, as the summed PSS of its processes (nanoserve's engine
+runs in a child process, llama.cpp maps the GGUF file in its own); `nanoserve-auto` computes with the
+file's own quantized blocks.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from nanoserve.bench.bandwidth import read_bandwidth
 from nanoserve.bench.llamacpp_build import recorded_kind
@@ -54,6 +59,7 @@ LABELS = {
     "nanoserve": "nanoserve",
     "nanoserve-int4": "nanoserve int4",
     "nanoserve-int8": "nanoserve int8",
+    "nanoserve-auto": "nanoserve auto",
     "vllm": "vLLM-CPU",
     "llamacpp": "llama.cpp",
 }
@@ -72,9 +78,34 @@ TTFT_RUNS = (("ttft_s", "ttft_prompts", "TTFT"), ("prefix_ttft_s", "prefix_promp
 """Its times to first token, in order: (result key, spec's prompts, label in an error); distinct prompts, then
 prompts after a cached prefix. The first prompt of each is a warm-up."""
 TTFT_KEYS = tuple(key for key, _, _ in TTFT_RUNS)
+LOAD_KEYS = ("load_s", "memory_bytes", "kv_cache_bytes")
+"""Its start-up: seconds from constructing it to ready, the memory that loading it and running its first
+prompts added (`processes_memory`), and the KV cache's share of that memory."""
 
-# A runner: (throughput(prompts, new_tokens, sampled) -> tok/s, ttft(prompt) -> seconds, largest batch it runs).
-Runner = tuple[Callable[[list[list[int]], int, bool], float], Callable[[list[int]], float], int | None]
+
+class Runner(NamedTuple):
+    """A loaded system, as the worker measures it."""
+
+    throughput: Callable[[list[list[int]], int, bool], float]
+    """(prompts, new_tokens, sampled) -> tok/s"""
+    ttft: Callable[[list[int]], float]
+    """prompt -> seconds to its first token"""
+    max_batch: int | None
+    """The largest batch it runs (None: any)."""
+    kv_cache_bytes: int
+    """The KV cache it was given: the engines allocate theirs up front, so it is part of their memory."""
+
+
+def kv_bytes_per_token(model_path: str, element_bytes: int) -> int:
+    """K and V of one token in every layer of a GGUF model, from its metadata."""
+    from nanoserve.model_files import gguf_metadata
+
+    meta = gguf_metadata(model_path)
+    arch = meta["general.architecture"]
+    heads = meta[f"{arch}.attention.head_count"]
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    head_dim = meta.get(f"{arch}.attention.key_length", meta[f"{arch}.embedding_length"] // heads)
+    return meta[f"{arch}.block_count"] * 2 * kv_heads * head_dim * element_bytes
 
 
 def nanoserve_runner(spec: dict, quantization: str = "none") -> Runner:
@@ -89,7 +120,17 @@ def nanoserve_runner(spec: dict, quantization: str = "none") -> Runner:
         llm.generate([{"prompt_token_ids": prompt}], first, use_tqdm=False)
         return time.perf_counter() - start
 
-    return lambda prompts, n, sampled: time_nanoserve(llm, prompts, n, sampled), ttft, None
+    import torch
+
+    ready = llm.llm_engine.engine_core.ready_response
+    kv_cache_tokens = ready.num_kv_blocks * ready.block_size
+    element_bytes = getattr(torch, ready.dtype).itemsize
+    return Runner(
+        lambda prompts, n, sampled: time_nanoserve(llm, prompts, n, sampled),
+        ttft,
+        None,
+        kv_cache_tokens * kv_bytes_per_token(spec["model_path"], element_bytes),
+    )
 
 
 # A fixed KV cache, as nanoserve's default: left to size itself, vLLM-CPU claims 92 % of the machine's
@@ -157,13 +198,19 @@ def vllm_runner(spec: dict) -> Runner:
     def throughput(prompts: list[list[int]], new_tokens: int, sampled: bool) -> float:
         return len(prompts) * new_tokens / generate(prompts, new_tokens, sampled)
 
-    return throughput, lambda p: generate([p], 1), None
+    return Runner(throughput, lambda p: generate([p], 1), None, VLLM_KV_CACHE_BYTES)
+
+
+LLAMACPP_CONTEXT = 2048
+"""llama.cpp's context in tokens: its KV cache, enough for the chat turn's cached prefix and its own."""
 
 
 def llamacpp_runner(spec: dict) -> Runner:
     from llama_cpp import Llama
 
-    llm = Llama(model_path=spec["model_path"], n_ctx=2048, n_batch=512, n_threads=2, seed=0, verbose=False)
+    llm = Llama(
+        model_path=spec["model_path"], n_ctx=LLAMACPP_CONTEXT, n_batch=512, n_threads=2, seed=0, verbose=False
+    )
 
     def generate(prompt: list[int], new_tokens: int, sampled: bool = False) -> float:
         """`Llama.generate` yields every sampled token and leaves stopping to the caller, so EOS is ignored.
@@ -178,13 +225,19 @@ def llamacpp_runner(spec: dict) -> Runner:
                 break
         return time.perf_counter() - start
 
-    return lambda prompts, n, sampled: n / generate(prompts[0], n, sampled), lambda p: generate(p, 1), 1
+    return Runner(
+        lambda prompts, n, sampled: n / generate(prompts[0], n, sampled),
+        lambda p: generate(p, 1),
+        1,
+        LLAMACPP_CONTEXT * kv_bytes_per_token(spec["model_path"], 2),  # an f16 cache, its default
+    )
 
 
 RUNNERS: dict[str, Callable[[dict], Runner]] = {
     "nanoserve": nanoserve_runner,
     "nanoserve-int4": lambda spec: nanoserve_runner(spec, quantization="int4"),
     "nanoserve-int8": lambda spec: nanoserve_runner(spec, quantization="int8"),
+    "nanoserve-auto": lambda spec: nanoserve_runner(spec, quantization="auto"),
     "vllm": vllm_runner,
     "llamacpp": llamacpp_runner,
 }
@@ -200,7 +253,11 @@ def worker(system: str, spec_file: str, result_file: str) -> None:
         Path(result_file).write_text(json.dumps(result))
 
     try:
-        throughput, ttft, max_batch = RUNNERS[system](spec)
+        memory_before = processes_memory()
+        start = time.perf_counter()
+        throughput, ttft, max_batch, kv_cache_bytes = RUNNERS[system](spec)
+        result["load_s"] = [time.perf_counter() - start]
+        result["kv_cache_bytes"] = [kv_cache_bytes]
         for key, prompts_key, label in TTFT_RUNS:
             prompts = spec[prompts_key]
             if not prompts:
@@ -210,6 +267,7 @@ def worker(system: str, spec_file: str, result_file: str) -> None:
                 result[key] = [ttft(p) for p in prompts[1:]]
             except Exception as e:  # the row says why (the first failure), and the other runs still go ahead
                 result["error"] = result["error"] or f"{label}: {type(e).__name__}: {e}".splitlines()[0][:200]
+        result["memory_bytes"] = [processes_memory() - memory_before]
         save()
         for batch, prompts in spec["prompts"].items():
             if max_batch is not None and int(batch) > max_batch:
@@ -224,6 +282,22 @@ def worker(system: str, spec_file: str, result_file: str) -> None:
         raise
     finally:
         save()
+
+
+def processes_memory() -> int:
+    """Bytes held by this process and its descendants (an engine's own processes), as the sum of their
+    proportional set sizes: a page that several of them map, as the engine and its frontend both map
+    torch's libraries, counts once across them, where their RSS would count it once in each. The worker
+    has imported torch before any system loads, so the difference across a load is what that system
+    added, whether its engine runs in the worker or in children of it."""
+    import psutil
+
+    this = psutil.Process()
+    total = 0
+    for process in [this, *this.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += process.memory_full_info().pss
+    return total
 
 
 def vllm_env() -> dict[str, str]:
@@ -293,7 +367,7 @@ def merge_results(earlier: dict | None, later: dict) -> dict:
         for batch, values in later.get(key, {}).items():
             runs.setdefault(batch, []).extend(values)
         merged[key] = runs
-    for key in TTFT_KEYS:
+    for key in TTFT_KEYS + LOAD_KEYS:
         merged[key] = earlier.get(key, []) + later.get(key, [])
     return merged
 
@@ -335,6 +409,35 @@ def print_table(results: dict[str, dict], batches: list[str], ttft_headers: list
                     cells.append("-" if suffix else ratio(ours.get(ttft_key, []), r.get(ttft_key, [])))
                 row = f"{system_label(ours_name)}/{system_label(name)}{suffix}"
                 print(f"{row:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
+
+
+def print_load_table(results: dict[str, dict]) -> None:
+    """Each system's start-up, then each nanoserve engine's ratio to each peer (lower is better in both)."""
+    width, label = 22, 48
+    headers = ("load s", "memory MiB", "of it KV cache MiB", "without it MiB")
+
+    def columns(r: dict) -> list[list[float]]:
+        memory = [b / 2**20 for b in r.get("memory_bytes", [])]
+        kv_cache = [b / 2**20 for b in r.get("kv_cache_bytes", [])]
+        without = [m - k for m, k in zip(memory, kv_cache, strict=False)]
+        return [r.get("load_s", []), memory, kv_cache, without]
+
+    print(f"\n{'':<{label}}" + "".join(f"{h:>{width}}" for h in headers))
+    for name, r in results.items():
+        cells = [summarize(values) if values else "-" for values in columns(r)]
+        print(f"{system_label(name):<{label}}" + "".join(f"{c:>{width}}" for c in cells))
+    for ours_name, ours in results.items():
+        if not ours_name.startswith("nanoserve"):
+            continue
+        for name, r in results.items():
+            if name.startswith("nanoserve"):
+                continue
+            cells = [
+                f"{statistics.median(mine) / statistics.median(theirs):.2f}x" if mine and theirs else "-"
+                for mine, theirs in zip(columns(ours), columns(r), strict=True)
+            ]
+            row = f"{system_label(ours_name)}/{system_label(name)}"
+            print(f"{row:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -430,6 +533,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.cached_prefix_len:
         ttft_headers.append(f"TTFT {args.cached_prefix_len}+{args.cached_prefix_new_tokens} ms")
     print_table(results, list(spec["prompts"]), ttft_headers)
+    print(
+        "\nstart-up: load s from constructing the system to ready; memory MiB that loading it and its first "
+        "prompts (the TTFT runs) added, as the summed PSS of its processes"
+    )
+    print_load_table(results)
     per_system = (
         f"{system_label(name)} {statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
         for name, v in bandwidths.items()

@@ -27,11 +27,26 @@ def test_peers_table_and_plot_with_a_missing_peer(tmp_path, capsys):
     argv += ["--work-dir", str(tmp_path), "--plot", str(plot)]
     peers.main(argv)
     out = capsys.readouterr().out
-    rows = {line.split("  ")[0]: line for line in out.splitlines() if line.startswith(("nanoserve", "llama"))}
-    assert rows["nanoserve"].count("(") == 4, out  # batch 1, batch 2 and both TTFTs measured
+    speed, start_up = out.split("\nstart-up: ")
+
+    def rows(table: str) -> dict[str, str]:
+        return {
+            line.split("  ")[0]: line
+            for line in table.splitlines()
+            if line.startswith(("nanoserve", "llama"))
+        }
+
+    assert rows(speed)["nanoserve"].count("(") == 4, out  # batch 1, batch 2 and both TTFTs measured
     assert "TTFT-16 ms" in out and "TTFT 32+16 ms" in out, out
-    assert rows["nanoserve sampled"].count("(") == 2, out  # batch 1 and 2, sampled
+    assert rows(speed)["nanoserve sampled"].count("(") == 2, out  # batch 1 and 2, sampled
     assert "error: " in out and "llama_cpp" in out
+    load_s, _, memory_mib, _, kv_cache_mib, _, without_mib, _ = rows(start_up)["nanoserve"].split()[1:]
+    # the default KV cache, 1 GiB in whole blocks, allocated at start; the engine holds its weights (about
+    # 100 MB in the file) and more beside it
+    assert 0 < float(load_s) < 600 and 1000 < float(kv_cache_mib) <= 1024, out
+    assert float(without_mib) == pytest.approx(float(memory_mib) - float(kv_cache_mib), abs=0.1), out
+    assert 100 < float(without_mib) < 20_000, out
+    assert rows(start_up)[peers.system_label("llamacpp")].split()[-4:] == ["-"] * 4, out
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -46,16 +61,28 @@ def test_rounds_take_the_systems_in_turn_and_pool_their_runs(tmp_path, monkeypat
     def fake_run_system(system, spec_file, log_dir, timeout):
         calls.append(system)
         runs = next(speeds[system])
-        return {"tok_s": {"1": runs}, "sampled_tok_s": {"1": runs}, "ttft_s": [0.5], "error": None}
+        start_up = {
+            "load_s": [runs[0] / 10],
+            "memory_bytes": [int(runs[-1]) << 20],
+            "kv_cache_bytes": [10 << 20],
+        }
+        return {
+            "tok_s": {"1": runs},
+            "sampled_tok_s": {"1": runs},
+            "ttft_s": [0.5],
+            "error": None,
+            **start_up,
+        }
 
     monkeypatch.setattr(peers, "run_system", fake_run_system)
     argv = ["--systems", "nanoserve,llamacpp", "--batch-sizes", "1", "--repeats", "2", "--rounds", "2"]
     peers.main([*argv, "--work-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert calls == ["nanoserve", "llamacpp", "nanoserve", "llamacpp"]
+    speed, start_up = out.split("\nstart-up: ")
     rows = {
         line.split("  ")[0]: line.split()
-        for line in out.splitlines()
+        for line in speed.splitlines()
         if line.startswith(("nanoserve", "llama"))
     }
     assert rows["nanoserve"][1:3] == ["85.0", "(60-110)"], out  # median of 100, 110, 60, 70
@@ -63,6 +90,21 @@ def test_rounds_take_the_systems_in_turn_and_pool_their_runs(tmp_path, monkeypat
     assert "round 2, nanoserve: " in out and "(read bandwidth before it: 40.0 GB/s)" in out, out
     llamacpp = peers.system_label("llamacpp")
     assert f"GB/s: nanoserve 35.0 (30.0-40.0); {llamacpp} 22.5 (20.0-25.0)" in out, out
+    # start-up pooled over the rounds: load 10 and 6 s, 110 and 70 MiB against 5 and 4 s, 50 and 40 MiB,
+    # each with a KV cache of 10 MiB
+    start_up_rows = {line.split("  ")[0]: line.split() for line in start_up.splitlines()}
+    assert start_up_rows["nanoserve"][1:] == [
+        "8.0",
+        "(6-10)",
+        "90.0",
+        "(70-110)",
+        "10.0",
+        "(10-10)",
+        "80.0",
+        "(60-100)",
+    ]
+    # 8 / 4.5, 90 / 45, 10 / 10, 80 / 35
+    assert start_up_rows[f"nanoserve/{llamacpp}"][-4:] == ["1.78x", "2.00x", "1.00x", "2.29x"], out
 
 
 def test_merge_results_keeps_the_first_error():
@@ -79,6 +121,9 @@ def test_merge_results_keeps_the_first_error():
         "sampled_tok_s": {"1": [4.0]},
         "ttft_s": [0.1],
         "prefix_ttft_s": [],
+        "load_s": [],
+        "memory_bytes": [],
+        "kv_cache_bytes": [],
         "error": "boom",
     }
 
@@ -100,7 +145,7 @@ def test_time_to_first_token_is_measured_before_the_throughput_runs(tmp_path, mo
             calls.append("ttft")
             return 0.1
 
-        return throughput, ttft, None
+        return peers.Runner(throughput, ttft, None, 0)
 
     monkeypatch.setitem(peers.RUNNERS, "nanoserve", runner)
     spec = {"prompts": {"1": [[5, 6]]}, "new_tokens": 2, "repeats": 1, "ttft_prompts": [[7], [8], [9]]}
@@ -112,6 +157,7 @@ def test_time_to_first_token_is_measured_before_the_throughput_runs(tmp_path, mo
     assert calls == ["ttft"] * 3 + ["ttft:1,2,3", "ttft:1,2,4"] + ["throughput"] * 3
     result = json.loads(result_file.read_text())
     assert result["ttft_s"] == [0.1, 0.1] and result["prefix_ttft_s"] == [0.2]
+    assert len(result["load_s"]) == 1 and isinstance(result["memory_bytes"][0], int)
 
 
 def test_a_failed_ttft_leaves_the_throughput_runs_measured(tmp_path, monkeypatch):
@@ -119,7 +165,7 @@ def test_a_failed_ttft_leaves_the_throughput_runs_measured(tmp_path, monkeypatch
         def ttft(prompt):
             raise ValueError("prompt longer than the context")
 
-        return (lambda prompts, new_tokens, sampled: 2.0), ttft, None
+        return peers.Runner(lambda prompts, new_tokens, sampled: 2.0, ttft, None, 0)
 
     monkeypatch.setitem(peers.RUNNERS, "nanoserve", runner)
     spec = {"prompts": {"1": [[5, 6]]}, "new_tokens": 2, "repeats": 1, "ttft_prompts": [[7], [8]]}
