@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 
+import psutil
 import pytest
 import torch
 from paged_driver import PagedDriver
@@ -272,6 +273,18 @@ def test_huge_page_zeros_are_separate_zeroed_tensors_of_one_buffer():
     caches[1].fill_(1)
     assert not caches[0].any() and not caches[2].any() and caches[1].all()
     assert len({c.untyped_storage().data_ptr() for c in caches}) == 1
+
+
+def test_huge_page_zeros_take_memory_only_where_written():
+    """A KV cache is zero from the kernel's fresh pages: allocating 256 MiB of it touches none of them, and
+    a layer takes its memory when it is written."""
+    process = psutil.Process()
+    before = process.memory_info().rss
+    caches, _ = huge_page_zeros(8, (2, 4, 1024, 16, 64), torch.float32)  # 32 MiB a layer
+    assert process.memory_info().rss - before < 16 << 20
+    caches[3].fill_(1.0)
+    assert process.memory_info().rss - before > 28 << 20
+    assert not caches[2].any() and not caches[4].any()
 
 
 def test_quantized_weights_share_one_buffer_and_compute_the_same(tiny_gqa_dir, kernels):
