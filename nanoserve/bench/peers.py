@@ -80,7 +80,7 @@ prompts after a cached prefix. The first prompt of each is a warm-up."""
 TTFT_KEYS = tuple(key for key, _, _ in TTFT_RUNS)
 LOAD_KEYS = ("load_s", "memory_bytes", "kv_cache_bytes")
 """Its start-up: seconds from constructing it to ready, the memory that loading it and running its first
-prompts added (`processes_memory`), and the KV cache's share of that memory."""
+prompts added (`processes_memory`), and the KV cache it was given."""
 
 
 class Runner(NamedTuple):
@@ -93,7 +93,8 @@ class Runner(NamedTuple):
     max_batch: int | None
     """The largest batch it runs (None: any)."""
     kv_cache_bytes: int
-    """The KV cache it was given: the engines allocate theirs up front, so it is part of their memory."""
+    """The KV cache it was given: vLLM and llama.cpp fill theirs at start, so all of it is in their memory;
+    nanoserve's takes memory as its blocks are first written (nanoserve.model.huge_pages)."""
 
 
 def kv_bytes_per_token(model_path: str, element_bytes: int) -> int:
@@ -414,13 +415,11 @@ def print_table(results: dict[str, dict], batches: list[str], ttft_headers: list
 def print_load_table(results: dict[str, dict]) -> None:
     """Each system's start-up, then each nanoserve engine's ratio to each peer (lower is better in both)."""
     width, label = 22, 48
-    headers = ("load s", "memory MiB", "of it KV cache MiB", "without it MiB")
+    headers = ("load s", "memory MiB", "KV cache MiB")
 
     def columns(r: dict) -> list[list[float]]:
         memory = [b / 2**20 for b in r.get("memory_bytes", [])]
-        kv_cache = [b / 2**20 for b in r.get("kv_cache_bytes", [])]
-        without = [m - k for m, k in zip(memory, kv_cache, strict=False)]
-        return [r.get("load_s", []), memory, kv_cache, without]
+        return [r.get("load_s", []), memory, [b / 2**20 for b in r.get("kv_cache_bytes", [])]]
 
     print(f"\n{'':<{label}}" + "".join(f"{h:>{width}}" for h in headers))
     for name, r in results.items():
@@ -535,7 +534,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(results, list(spec["prompts"]), ttft_headers)
     print(
         "\nstart-up: load s from constructing the system to ready; memory MiB that loading it and its first "
-        "prompts (the TTFT runs) added, as the summed PSS of its processes"
+        "prompts (the TTFT runs) added, as the summed PSS of its processes; the KV cache it was given"
     )
     print_load_table(results)
     per_system = (
