@@ -3,7 +3,8 @@
 `MsgpackEncoder.encode(obj)` returns a list of frames: frame 0 is the msgpack body, frames 1..n are
 the raw bytes of every numpy array / torch tensor of at least `NANOSERVE_MSGPACK_ZERO_COPY_THRESHOLD`
 bytes (default 256). The body refers to them by index through a msgpack extension, so the bytes are
-never copied into it; smaller arrays are inlined. `MsgpackDecoder.decode(frames)` rebuilds arrays as
+never copied into it; smaller arrays are inlined. torch is imported only when a tensor arrives: a
+frontend that starts an engine core then spawns it before spending seconds importing torch itself. `MsgpackDecoder.decode(frames)` rebuilds arrays as
 views over the received frames (no copy). Because the extension is decoded by `ext_hook`, arrays
 round-trip in `Any` positions too (utility arguments and results).
 
@@ -13,6 +14,7 @@ decoder instance is not thread-safe (it keeps the frames of the message in fligh
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -21,11 +23,6 @@ import msgspec
 import numpy as np
 
 from nanoserve import envs
-
-try:
-    import torch
-except ImportError:  # the wire layer works without torch; tensors then never appear
-    torch = None
 
 # msgpack extension codes: (dtype, shape) header plus either inline bytes or an out-of-band frame index
 _EXT_NDARRAY_INLINE = 1
@@ -76,6 +73,7 @@ class MsgpackEncoder:
                 raise TypeError("numpy arrays of Python objects cannot be encoded.")
             arr = np.ascontiguousarray(obj)
             return self._array_ext(_EXT_NDARRAY_INLINE, _EXT_NDARRAY_OOB, arr.dtype.str, arr.shape, arr)
+        torch = sys.modules.get("torch")  # a tensor exists only once torch is imported
         if torch is not None and isinstance(obj, torch.Tensor):
             tensor = obj.detach().cpu().contiguous()
             # a uint8 view exposes the bytes of any dtype (bfloat16 has no numpy equivalent)
@@ -123,8 +121,10 @@ class MsgpackDecoder:
         if code in (_EXT_NDARRAY_INLINE, _EXT_NDARRAY_OOB):
             return np.frombuffer(payload, dtype=np.dtype(dtype)).reshape(shape)
         if code in (_EXT_TENSOR_INLINE, _EXT_TENSOR_OOB):
-            if torch is None:
-                raise TypeError("received a torch tensor but torch is not installed.")
+            try:
+                import torch
+            except ImportError as e:
+                raise TypeError("received a torch tensor but torch is not installed.") from e
             torch_dtype = getattr(torch, dtype)
             if len(payload) == 0:
                 return torch.empty(shape, dtype=torch_dtype)
