@@ -34,13 +34,8 @@ from nanoserve.engine.core_client.liveness import RankState
 from nanoserve.engine.exceptions import EngineDeadError
 from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.processor import Conversation, Processor, PromptType
-from nanoserve.model_files import (
-    eos_token_ids,
-    generation_defaults,
-    load_tokenizer,
-    model_name,
-    resolve_model_path,
-)
+from nanoserve.engine.startup import start_engine
+from nanoserve.model_files import model_name, resolve_model_path
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineDeathRecord, SchedulerStats
@@ -181,18 +176,18 @@ class AsyncLLM:
         self.options = options
         self.model_path = resolve_model_path(options.model)
         self.model_name = model_name(self.model_path)
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.generation_defaults = generation_defaults(self.model_path)
-        """SamplingParams fields the model's generation config sets, for requests that leave them out."""
         self.stat_loggers = list(stat_loggers)
-        self.engine_core = EngineCoreClient.make_client(True, True, options)
+        self.engine_core, files = start_engine(
+            self.model_path, lambda: EngineCoreClient.make_client(True, True, options)
+        )
+        self.tokenizer = files.tokenizer
+        self.generation_defaults = files.generation_defaults
+        """SamplingParams fields the model's generation config sets, for requests that leave them out."""
         ready = self.engine_core.ready_response
         self.max_model_len = ready.max_model_len
         self.max_num_seqs = ready.max_num_seqs
         """Sequences the engine runs at once (summed over data-parallel ranks); more wait in its queue."""
-        self.processor = Processor.for_engine(
-            self.tokenizer, ready, eos_token_ids(self.model_path, self.tokenizer)
-        )
+        self.processor = Processor.for_engine(self.tokenizer, ready, files.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.streams: dict[str, RequestStream] = {}
         self._timings: dict[str, _RequestTiming] = {}

@@ -14,7 +14,8 @@ from nanoserve.config import EngineOptions
 from nanoserve.engine.core_client.base import EngineCoreClient
 from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.processor import Processor, PromptType
-from nanoserve.model_files import eos_token_ids, generation_defaults, load_tokenizer, resolve_model_path
+from nanoserve.engine.startup import start_engine
+from nanoserve.model_files import resolve_model_path
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
@@ -22,16 +23,15 @@ from nanoserve.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
-        model_path = resolve_model_path(options.model)
-        self.tokenizer = load_tokenizer(model_path)
-        self.generation_defaults = generation_defaults(model_path)
-        """SamplingParams fields the model's generation config sets (see nanoserve.model_files)."""
-        self.engine_core = EngineCoreClient.make_client(options.multiprocess_mode, False, options)
+        self.engine_core, files = start_engine(
+            resolve_model_path(options.model),
+            lambda: EngineCoreClient.make_client(options.multiprocess_mode, False, options),
+        )
+        self.tokenizer = files.tokenizer
+        self.generation_defaults = files.generation_defaults
         ready = self.engine_core.ready_response
         self.max_model_len = ready.max_model_len
-        self.processor = Processor.for_engine(
-            self.tokenizer, ready, eos_token_ids(model_path, self.tokenizer)
-        )
+        self.processor = Processor.for_engine(self.tokenizer, ready, files.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._is_shut_down = False
 
