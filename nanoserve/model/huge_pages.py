@@ -52,7 +52,10 @@ def huge_page_views(nbytes: Sequence[int]) -> tuple[list[Tensor], bool]:
     boundary and is advised to huge pages before anything touches it; returns them and whether the
     advice was taken. The tensors hold the mapping: it is unmapped when the last of them is freed."""
     sizes = [_aligned(n, ALIGNMENT) for n in nbytes]
-    buffer = torch.frombuffer(mmap.mmap(-1, sum(sizes) + HUGE_PAGE), dtype=torch.uint8)
+    # private: a shared anonymous mapping is shmem, whose huge pages /sys/kernel/mm/transparent_hugepage/
+    # shmem_enabled governs ("never" by default), not the madvise mode that anonymous memory follows
+    mapping = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)
     start = _aligned(buffer.data_ptr(), HUGE_PAGE) - buffer.data_ptr()
     advised = advise_huge_pages(buffer.data_ptr() + start, _aligned(sum(sizes), HUGE_PAGE))
     views, offset = [], start

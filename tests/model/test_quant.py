@@ -287,6 +287,25 @@ def test_huge_page_zeros_take_memory_only_where_written():
     assert not caches[2].any() and not caches[4].any()
 
 
+def anon_huge_pages() -> int:
+    """Bytes of this process's anonymous memory backed by transparent huge pages."""
+    with open("/proc/self/smaps_rollup") as rollup:
+        return next(int(line.split()[1]) << 10 for line in rollup if line.startswith("AnonHugePages:"))
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or thp_mode() not in ("always", "madvise"), reason="no transparent huge pages"
+)
+def test_huge_page_zeros_are_backed_by_huge_pages_once_written():
+    """The buffer is private anonymous memory, which follows the madvise mode: a shared anonymous mapping is
+    shmem, which got no huge pages at all under the default shmem_enabled=never."""
+    before = anon_huge_pages()
+    caches, advised = huge_page_zeros(4, (2, 4, 1024, 16, 64), torch.float32)  # 128 MiB
+    for cache in caches:
+        cache.fill_(1.0)
+    assert advised and anon_huge_pages() - before >= 2 << 20  # at least one 2 MiB page, however fragmented
+
+
 def test_quantized_weights_share_one_buffer_and_compute_the_same(tiny_gqa_dir, kernels):
     path = str(tiny_gqa_dir)
     model = bf16_model(path, "int4", kernels)
