@@ -7,10 +7,10 @@ the kernel is asked to back with 2 MiB pages (madvise MADV_HUGEPAGE, honoured wh
 /sys/kernel/mm/transparent_hugepage/enabled is "always" or "madvise"), the same bytes take 512 times
 fewer pages. Apart, most of the weights are too small to fill an aligned 2 MiB page.
 
-The buffer is a fresh anonymous mapping, whose pages the kernel fills with zeros when they are first
-touched: a KV cache is zero without a pass over it (a GiB took 1.4 s at start on an AMD Zen 5) and takes
-memory only as its blocks are first written, and the whole buffer goes back to the system when its
-tensors are freed.
+The buffer is a fresh private anonymous mapping, whose pages the kernel fills with zeros when they are
+first touched: a KV cache is zero without a pass over it (a GiB took 1.4 s at start on an AMD Zen 5)
+and takes memory only as its blocks are first written, and the whole buffer goes back to the system
+when its tensors are freed.
 """
 
 from __future__ import annotations

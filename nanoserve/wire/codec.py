@@ -3,10 +3,10 @@
 `MsgpackEncoder.encode(obj)` returns a list of frames: frame 0 is the msgpack body, frames 1..n are
 the raw bytes of every numpy array / torch tensor of at least `NANOSERVE_MSGPACK_ZERO_COPY_THRESHOLD`
 bytes (default 256). The body refers to them by index through a msgpack extension, so the bytes are
-never copied into it; smaller arrays are inlined. torch is imported only when a tensor arrives: a
-frontend that starts an engine core then spawns it before spending seconds importing torch itself. `MsgpackDecoder.decode(frames)` rebuilds arrays as
+never copied into it; smaller arrays are inlined. `MsgpackDecoder.decode(frames)` rebuilds arrays as
 views over the received frames (no copy). Because the extension is decoded by `ext_hook`, arrays
-round-trip in `Any` positions too (utility arguments and results).
+round-trip in `Any` positions too (utility arguments and results). torch is imported only when a tensor
+arrives: a frontend that starts an engine core then spawns it before spending seconds importing torch.
 
 The sender must keep the encoded frames alive until ZMQ has sent them (`track=True`); an encoder or
 decoder instance is not thread-safe (it keeps the frames of the message in flight).
