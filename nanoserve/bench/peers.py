@@ -40,7 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -373,16 +373,33 @@ def merge_results(earlier: dict | None, later: dict) -> dict:
     return merged
 
 
+TABLE_WIDTH, LABEL_WIDTH = 22, 48
+"""A table's column width and its row labels' width."""
+
+
+def print_row(label: str, cells: list[str]) -> None:
+    print(f"{label:<{LABEL_WIDTH}}" + "".join(f"{c:>{TABLE_WIDTH}}" for c in cells))
+
+
+def median_ratio(ours: list[float], theirs: list[float]) -> str:
+    return f"{statistics.median(ours) / statistics.median(theirs):.2f}x" if ours and theirs else "-"
+
+
+def against_peers(results: dict[str, dict]) -> Iterator[tuple[str, dict, str, dict]]:
+    """(nanoserve engine, its results, peer, the peer's results) for every engine and peer, in table order."""
+    for ours_name, ours in results.items():
+        if ours_name.startswith("nanoserve"):
+            for name, r in results.items():
+                if not name.startswith("nanoserve"):
+                    yield ours_name, ours, name, r
+
+
 def print_table(results: dict[str, dict], batches: list[str], ttft_headers: list[str]) -> None:
     """Systems as rows (each greedy, then sampled), batch sizes and times to first token (a column per
     header, in TTFT_KEYS' order) as columns, then each nanoserve engine's ratio to each peer, greedy to
     greedy and sampled to sampled."""
-    width, label = 22, 48
     ttft_keys = TTFT_KEYS[: len(ttft_headers)]
-    header = "".join(f"{'batch ' + b:>{width}}" for b in batches) + "".join(
-        f"{h:>{width}}" for h in ttft_headers
-    )
-    print(f"{'':<{label}}" + header)
+    print_row("", [f"batch {b}" for b in batches] + ttft_headers)
     for name, r in results.items():
         for key, suffix in MODES:
             runs = r.get(key, {})
@@ -390,53 +407,34 @@ def print_table(results: dict[str, dict], batches: list[str], ttft_headers: list
             for ttft_key in ttft_keys:
                 times = r.get(ttft_key, [])
                 cells.append(summarize([s * 1000 for s in times]) if times and not suffix else "-")
-            print(f"{system_label(name) + suffix:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
+            print_row(system_label(name) + suffix, cells)
         if r.get("error"):
-            print(f"{'':<{label}}  error: {r['error']}")
+            print(f"{'':<{LABEL_WIDTH}}  error: {r['error']}")
 
-    def ratio(ours: list[float], theirs: list[float]) -> str:
-        return f"{statistics.median(ours) / statistics.median(theirs):.2f}x" if ours and theirs else "-"
-
-    for ours_name, ours in results.items():
-        if not ours_name.startswith("nanoserve"):
-            continue
-        for name, r in results.items():
-            if name.startswith("nanoserve"):
-                continue
-            for key, suffix in MODES:
-                mine, theirs = ours.get(key, {}), r.get(key, {})
-                cells = [ratio(mine.get(b, []), theirs.get(b, [])) for b in batches]
-                for ttft_key in ttft_keys:
-                    cells.append("-" if suffix else ratio(ours.get(ttft_key, []), r.get(ttft_key, [])))
-                row = f"{system_label(ours_name)}/{system_label(name)}{suffix}"
-                print(f"{row:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
+    for ours_name, ours, name, r in against_peers(results):
+        for key, suffix in MODES:
+            mine, theirs = ours.get(key, {}), r.get(key, {})
+            cells = [median_ratio(mine.get(b, []), theirs.get(b, [])) for b in batches]
+            for ttft_key in ttft_keys:
+                cells.append("-" if suffix else median_ratio(ours.get(ttft_key, []), r.get(ttft_key, [])))
+            print_row(f"{system_label(ours_name)}/{system_label(name)}{suffix}", cells)
 
 
 def print_load_table(results: dict[str, dict]) -> None:
     """Each system's start-up, then each nanoserve engine's ratio to each peer (lower is better in both)."""
-    width, label = 22, 48
-    headers = ("load s", "memory MiB", "KV cache MiB")
 
     def columns(r: dict) -> list[list[float]]:
         memory = [b / 2**20 for b in r.get("memory_bytes", [])]
         return [r.get("load_s", []), memory, [b / 2**20 for b in r.get("kv_cache_bytes", [])]]
 
-    print(f"\n{'':<{label}}" + "".join(f"{h:>{width}}" for h in headers))
+    print()
+    print_row("", ["load s", "memory MiB", "KV cache MiB"])
     for name, r in results.items():
         cells = [summarize(values) if values else "-" for values in columns(r)]
-        print(f"{system_label(name):<{label}}" + "".join(f"{c:>{width}}" for c in cells))
-    for ours_name, ours in results.items():
-        if not ours_name.startswith("nanoserve"):
-            continue
-        for name, r in results.items():
-            if name.startswith("nanoserve"):
-                continue
-            cells = [
-                f"{statistics.median(mine) / statistics.median(theirs):.2f}x" if mine and theirs else "-"
-                for mine, theirs in zip(columns(ours), columns(r), strict=True)
-            ]
-            row = f"{system_label(ours_name)}/{system_label(name)}"
-            print(f"{row:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
+        print_row(system_label(name), cells)
+    for ours_name, ours, name, r in against_peers(results):
+        cells = [median_ratio(mine, theirs) for mine, theirs in zip(columns(ours), columns(r), strict=True)]
+        print_row(f"{system_label(ours_name)}/{system_label(name)}", cells)
 
 
 def main(argv: list[str] | None = None) -> None:
