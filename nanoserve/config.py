@@ -14,6 +14,7 @@ from nanoserve import envs
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16")
 RUNNERS = ("model", "null")
+DEFAULT_KV_CACHE_BYTES = 1 << 30
 QUANTIZATIONS = ("none", "auto", "int4", "int8")
 CPU_KERNEL_MODES = ("auto", "unfused", "off")
 MATMUL_CHOICES = ("auto", "fixed")
@@ -205,6 +206,11 @@ class EngineOptions:
                 f"prompt_lookup_min ({self.spec_lookup_min}) must not exceed prompt_lookup_max "
                 f"({self.spec_lookup_max})."
             )
+
+    @property
+    def kv_cache_budget(self) -> int:
+        """The bytes the KV cache is sized to where num_kv_blocks is not given (default 1 GiB)."""
+        return self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
 
     @property
     def spec_num_tokens(self) -> int:

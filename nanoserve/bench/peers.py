@@ -93,8 +93,7 @@ class Runner(NamedTuple):
     max_batch: int | None
     """The largest batch it runs (None: any)."""
     kv_cache_bytes: int
-    """The KV cache it was given: vLLM and llama.cpp fill theirs at start, so all of it is in their memory;
-    nanoserve's takes memory as its blocks are first written (nanoserve.model.huge_pages)."""
+    """The KV cache it was given; every system writes all of it at start, so all of it is in its memory."""
 
 
 def kv_bytes_per_token(model_path: str, element_bytes: int) -> int:

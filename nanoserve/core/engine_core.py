@@ -31,7 +31,6 @@ from nanoserve.wire.messages import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30
 GRAMMAR_WAIT_S = 0.01
 """How long a step with nothing to run waits for a compiling grammar before returning (no busy spin)."""
 UTILITIES = (
@@ -77,11 +76,11 @@ class EngineCore:
 
         report("loading_weights")
         self.runner = _build_runner(options)
-
-        report("sizing_kv_cache")
         self.num_kv_blocks = self._num_kv_blocks()
         self.max_model_len = self._fit_max_model_len(self.num_kv_blocks)
-        self.runner.allocate_kv_cache(self.num_kv_blocks)
+        self.runner.allocate_kv_cache(self.num_kv_blocks)  # its pages are written while the weights load
+        self.runner.load_weights()
+        self.runner.wait_for_kv_cache()
         self.scheduler = Scheduler(
             options, self.num_kv_blocks, self.max_model_len, self.runner.sliding_window
         )
@@ -114,7 +113,7 @@ class EngineCore:
     def _num_kv_blocks(self) -> int:
         if self.options.num_kv_blocks is not None:
             return self.options.num_kv_blocks
-        budget = self.options.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
+        budget = self.options.kv_cache_budget
         num_blocks = budget // self.runner.kv_cache_bytes_per_block()
         if num_blocks < 1:
             raise ValueError(
@@ -330,8 +329,9 @@ class EngineCore:
 
     def wake_up(self) -> None:
         if self._sleep_level:
-            self.runner.restore_weights()
             self.runner.allocate_kv_cache(self.num_kv_blocks)
+            self.runner.restore_weights()
+            self.runner.wait_for_kv_cache()
             self._sleep_level = 0
         for request in self._held_requests:
             self.scheduler.add_request(request)

@@ -3,8 +3,8 @@
 Sockets (the frontend binds both, this process connects):
   input   DEALER, identity = rank as 2 bytes little-endian. Receives `[request_type, *payload]` from the
           frontend's ROUTER; an ADD's payload is a list of requests, which enter the same step. At start-up
-          it sends the other way: one `EngineHandshakePhase` per phase (started, loading_weights,
-          sizing_kv_cache), then `[phase "ready", EngineCoreReadyResponse]`.
+          it sends the other way: one `EngineHandshakePhase` per phase (started, loading_weights), then
+          `[phase "ready", EngineCoreReadyResponse]`.
   output  PUSH. Sends one encoded `EngineCoreOutputs` per message to the frontend's PULL.
   stats   PUSH, data parallel only. Sends an `EngineLoad` to the coordinator's PULL whenever the queue
           lengths or KV use in a step's stats change (never blocks: dropped if the coordinator is gone).

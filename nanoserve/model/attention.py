@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from nanoserve.model.batch import NULL_BLOCK
 from nanoserve.model.flash_prefill import PrefillSplit, WholePrompt, attend_split
-from nanoserve.model.huge_pages import huge_page_zeros
+from nanoserve.model.huge_pages import HugePageBuffer, huge_page_zeros
 
 
 @dataclass
@@ -299,11 +299,13 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    within: HugePageBuffer | None = None,
 ) -> list[torch.Tensor]:
-    """One zeroed cache per layer; on the CPU all in one buffer in huge pages (nanoserve.model.huge_pages)."""
+    """One zeroed cache per layer; on the CPU all in one buffer in huge pages (nanoserve.model.huge_pages),
+    `within`'s where they fit."""
     shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
     if device.type == "cpu":
-        return huge_page_zeros(num_layers, shape, dtype)[0]
+        return huge_page_zeros(num_layers, shape, dtype, within)[0]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 

@@ -31,7 +31,13 @@ class NullRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
 
+    def wait_for_kv_cache(self) -> None:
+        pass
+
     def free_kv_cache(self) -> None:
+        pass
+
+    def load_weights(self) -> None:
         pass
 
     def offload_weights(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 
 import numpy as np
@@ -24,6 +25,7 @@ from nanoserve.model.attention import (
 from nanoserve.model.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.flash_prefill import choose_min_query_len
+from nanoserve.model.huge_pages import HUGE_PAGE, HugePageBuffer, huge_page_buffer, populate_in_background
 from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.layers.causal_lm import CausalLM
 from nanoserve.model.layers.linear import cpu_prepack_supported
@@ -59,6 +61,14 @@ class ModelRunner:
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
         self.device = resolve_device(options.device)
+        self._kv_buffer: HugePageBuffer | None = None
+        """The KV cache's memory, taken before the model's config is read so that its pages are written
+        while the config and the weights load (nanoserve.model.huge_pages); the caches are carved from it."""
+        self._kv_populating: list[threading.Thread] = []
+        if self.device.type == "cpu" and options.num_kv_blocks is None:
+            # the slack: room for each layer's cache to start on a cache line
+            self._kv_buffer = huge_page_buffer(options.kv_cache_budget + HUGE_PAGE)
+            self._kv_populating = populate_in_background([self._kv_buffer.data])
         self.model_path = resolve_model_path(options.model)
         self.config = serving_config(load_model_config(self.model_path), options.max_model_len)
         self.dtype = resolve_dtype(options.dtype, self.device)
@@ -76,18 +86,8 @@ class ModelRunner:
         self.kernels = None
         if options.cpu_kernels != "off" and self.device.type == "cpu" and self.dtype != torch.float16:
             self.kernels = cpu_kernels()
-        start = time.perf_counter()
-        self.model: CausalLM | None = self._load()
-        """None after sleep(level=2) dropped the weights."""
-        kv_name = str(self.kv_cache_dtype).removeprefix("torch.")
-        kv_note = "" if self.kv_cache_dtype == self.dtype else f", KV cache {kv_name}"
-        logger.info(
-            "loaded %s (%s%s) in %.1f s",
-            self.config.name,
-            self.dtype_name,
-            kv_note,
-            time.perf_counter() - start,
-        )
+        self.model: CausalLM | None = None
+        """None until load_weights, and after sleep(level=2) dropped the weights."""
         self.sampler = Sampler(options.seed, self.kernels)
         self.flash_min_query_len = None
         """Prompts whose context is at least this long attend through torch's flash attention (see
@@ -108,6 +108,21 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self._offloaded: dict[str, torch.Tensor] | None = None
 
+    def load_weights(self) -> None:
+        """Load the model (again, after sleep level 2 dropped it). A KV cache allocated before has its
+        pages written meanwhile, and done before anything is timed."""
+        start = time.perf_counter()
+        self.model = self._load()
+        kv_name = str(self.kv_cache_dtype).removeprefix("torch.")
+        kv_note = "" if self.kv_cache_dtype == self.dtype else f", KV cache {kv_name}"
+        logger.info(
+            "loaded %s (%s%s) in %.1f s",
+            self.config.name,
+            self.dtype_name,
+            kv_note,
+            time.perf_counter() - start,
+        )
+
     def _load(self) -> CausalLM:
         options = self.options
         model = load_model(
@@ -119,6 +134,7 @@ class ModelRunner:
             self.kernels,
             options.matmul_choice,
         )
+        self.wait_for_kv_cache()  # the start-up measurements below must not share the cores with it
         if self.kernels is not None:
             if options.matmul_choice == "auto":
                 # timed on the fused decoder, whichever path the engine runs: the limits (and so the
@@ -149,7 +165,11 @@ class ModelRunner:
         )
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """On the CPU every page of the cache is written ahead, on a thread (nanoserve.model.huge_pages):
+        a page first touched by a prompt's own writes costs it a fault. Call wait_for_kv_cache before
+        serving."""
         c = self.config
+        reserved, self._kv_buffer = self._kv_buffer, None
         self.kv_caches = allocate_kv_cache(
             c.num_layers,
             num_blocks,
@@ -158,9 +178,21 @@ class ModelRunner:
             c.head_dim,
             self.kv_cache_dtype,
             self.device,
+            within=reserved,
         )
+        carved = reserved is not None and self.kv_caches[0].data_ptr() == reserved.data.data_ptr()
+        if self.device.type == "cpu" and not carved:
+            self.wait_for_kv_cache()
+            self._kv_populating = populate_in_background(self.kv_caches)
+
+    def wait_for_kv_cache(self) -> None:
+        """Until every page of the KV cache is written."""
+        for thread in self._kv_populating:
+            thread.join()
+        self._kv_populating = []
 
     def free_kv_cache(self) -> None:
+        self.wait_for_kv_cache()
         self.kv_caches = []
 
     def offload_weights(self) -> None:
@@ -173,7 +205,7 @@ class ModelRunner:
 
     def restore_weights(self) -> None:
         if self.model is None:
-            self.model = self._load()
+            self.load_weights()
         elif self.device.type != "cpu":
             self._loaded().to(self.device)
 

@@ -141,7 +141,7 @@ class EngineCoreUtilityRequest(msgspec.Struct, array_like=True, gc=False):
 class EngineHandshakePhase(msgspec.Struct, array_like=True, gc=False):
     engine_rank: int
     phase: str
-    """One of: started, loading_weights, sizing_kv_cache, ready."""
+    """One of: started, loading_weights (the KV cache is allocated meanwhile), ready."""
     incarnation: int = 0
 
 

@@ -4,15 +4,11 @@ greedy agreement with bf16)."""
 
 from __future__ import annotations
 
-import sys
-
-import psutil
 import pytest
 import torch
 from paged_driver import PagedDriver
 from quality import bf16_model, greedy, on_grid, perplexity, shared_prefix_lengths
 
-from nanoserve.model.huge_pages import HUGE_PAGE, huge_page_copies, huge_page_zeros
 from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.layers.linear import Linear
 from nanoserve.model.quant import (
@@ -246,64 +242,6 @@ def test_weight_bytes_per_step_count_the_copy_each_step_size_reads(tiny_gqa_dir,
         linear.quantized.max_tokens = 2  # steps past the limits read the bf16 weights
     past = LM_HEAD_QUANT_MAX_ROWS + 1
     assert int4.weight_bytes_per_step(past, past) == bf16.weight_bytes_per_step(past, past)
-
-
-def thp_mode() -> str:
-    """The bracketed choice in /sys/kernel/mm/transparent_hugepage/enabled ("" where there is none)."""
-    try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return ""
-    return text[text.index("[") + 1 : text.index("]")] if "[" in text else ""
-
-
-def test_huge_page_copies_are_equal_views_of_one_aligned_buffer():
-    tensors = [torch.randn(3, 5), torch.arange(7, dtype=torch.uint8), torch.randn(300, 576).half()]
-    copies, advised = huge_page_copies(tensors)
-    assert all(torch.equal(c, t) and c.dtype == t.dtype for c, t in zip(copies, tensors, strict=True))
-    storages = {c.untyped_storage().data_ptr() for c in copies}
-    assert len(storages) == 1 and all(c.data_ptr() % 64 == 0 for c in copies)
-    assert copies[0].data_ptr() % HUGE_PAGE == 0
-    assert advised == (sys.platform == "linux" and thp_mode() in ("always", "madvise"))
-
-
-def test_huge_page_zeros_are_separate_zeroed_tensors_of_one_buffer():
-    caches, _ = huge_page_zeros(3, (2, 3, 5, 16, 8), torch.bfloat16)
-    assert all(c.shape == (2, 3, 5, 16, 8) and c.dtype == torch.bfloat16 and not c.any() for c in caches)
-    caches[1].fill_(1)
-    assert not caches[0].any() and not caches[2].any() and caches[1].all()
-    assert len({c.untyped_storage().data_ptr() for c in caches}) == 1
-
-
-def test_huge_page_zeros_take_memory_only_where_written():
-    """A KV cache is zero from the kernel's fresh pages: allocating 256 MiB of it touches none of them, and
-    a layer takes its memory when it is written."""
-    process = psutil.Process()
-    before = process.memory_info().rss
-    caches, _ = huge_page_zeros(8, (2, 4, 1024, 16, 64), torch.float32)  # 32 MiB a layer
-    assert process.memory_info().rss - before < 16 << 20
-    caches[3].fill_(1.0)
-    assert process.memory_info().rss - before > 28 << 20
-    assert not caches[2].any() and not caches[4].any()
-
-
-def anon_huge_pages() -> int:
-    """Bytes of this process's anonymous memory backed by transparent huge pages."""
-    with open("/proc/self/smaps_rollup") as rollup:
-        return next(int(line.split()[1]) << 10 for line in rollup if line.startswith("AnonHugePages:"))
-
-
-@pytest.mark.skipif(
-    sys.platform != "linux" or thp_mode() not in ("always", "madvise"), reason="no transparent huge pages"
-)
-def test_huge_page_zeros_are_backed_by_huge_pages_once_written():
-    """The buffer is private anonymous memory, which follows the madvise mode: a shared anonymous mapping is
-    shmem, which got no huge pages at all under the default shmem_enabled=never."""
-    before = anon_huge_pages()
-    caches, advised = huge_page_zeros(4, (2, 4, 1024, 16, 64), torch.float32)  # 128 MiB
-    for cache in caches:
-        cache.fill_(1.0)
-    assert advised and anon_huge_pages() - before >= 2 << 20  # at least one 2 MiB page, however fragmented
 
 
 def test_quantized_weights_share_one_buffer_and_compute_the_same(tiny_gqa_dir, kernels):
