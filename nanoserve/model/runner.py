@@ -61,6 +61,7 @@ class ModelRunner:
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
         self.device = resolve_device(options.device)
+        self.model_path = resolve_model_path(options.model)
         self._kv_buffer: HugePageBuffer | None = None
         """The KV cache's memory, taken before the model's config is read so that its pages are written
         while the config and the weights load (nanoserve.model.huge_pages); the caches are carved from it."""
@@ -69,7 +70,6 @@ class ModelRunner:
             # the slack: room for each layer's cache to start on a cache line
             self._kv_buffer = huge_page_buffer(options.kv_cache_budget + HUGE_PAGE)
             self._kv_populating = populate_in_background([self._kv_buffer.data])
-        self.model_path = resolve_model_path(options.model)
         self.config = serving_config(load_model_config(self.model_path), options.max_model_len)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
