@@ -25,6 +25,7 @@ from nanoserve.model.attention import (
 from nanoserve.model.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.flash_prefill import choose_min_query_len
+from nanoserve.model.freed_memory import return_freed_pages
 from nanoserve.model.huge_pages import HUGE_PAGE, HugePageBuffer, huge_page_buffer, populate_in_background
 from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.layers.causal_lm import CausalLM
@@ -113,6 +114,7 @@ class ModelRunner:
         pages written meanwhile, and done before anything is timed."""
         start = time.perf_counter()
         self.model = self._load()
+        return_freed_pages()  # the temporaries of loading (nanoserve.model.freed_memory)
         kv_name = str(self.kv_cache_dtype).removeprefix("torch.")
         kv_note = "" if self.kv_cache_dtype == self.dtype else f", KV cache {kv_name}"
         logger.info(

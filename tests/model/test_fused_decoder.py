@@ -326,9 +326,11 @@ def test_fused_prefill_gives_the_module_paths_bits(fused_dir, dtype, quantizatio
         kernels = cpu_kernels()
         assert kernels is not None
         for module in model.modules():
+            if isinstance(module, Linear) and module.quantized is not None:
+                if module.packed is None:  # dropped where the quantized copy served every step size
+                    module.prepack()
+                module.quantized.max_tokens = 8
             if isinstance(module, Linear) and module.packed is not None:
-                if module.quantized is not None:
-                    module.quantized.max_tokens = 8
                 module.split_from = 9
                 module.by_rows = lambda *args: split_calls.append(1) or kernels.packed_linear_by_rows(*args)
         model.use_cpu_kernels(kernels)  # the fused decoder again, with the new step choices

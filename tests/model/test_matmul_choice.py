@@ -95,6 +95,28 @@ def test_steps_beyond_the_limit_take_the_unquantized_matmul(tiny_gqa_dir, kernel
             assert not torch.equal(qkv.quantized.matmul(x), qkv.unquantized(x))
 
 
+def test_a_quantized_copy_that_serves_every_step_drops_its_packed_twin(tiny_gqa_dir, kernels, choice_file):
+    """repack_for_quantized_steps: where the quantized copy serves steps of every size, no step reads the
+    oneDNN-packed weight, and it is freed; a weight with a limit keeps its own for the larger steps."""
+    model = _int4_model(str(tiny_gqa_dir), kernels, "auto")
+    qkv = model.layers[0].self_attn.qkv_proj
+    qkv_shape = f" {qkv.out_features}x{qkv.in_features}"
+    limits = {
+        key: {"max_tokens": sys.maxsize if key.endswith(qkv_shape) else 8, "ratios": {}}
+        for key in json.loads(choice_file.read_text())
+    }
+    choice_file.write_text(json.dumps(limits))
+    model = _int4_model(str(tiny_gqa_dir), kernels, "auto")
+    model.repack_for_quantized_steps(kernels)
+    linears = [m for m in model.layers.modules() if isinstance(m, Linear) and m.quantized is not None]
+    assert {m.packed is None for m in linears} == {True, False}
+    for linear in linears:
+        assert (linear.packed is None) == (linear.quantized.max_tokens == sys.maxsize)
+    with torch.inference_mode():
+        x = torch.randn(64, qkv.in_features).bfloat16()
+        assert torch.equal(model.layers[0].self_attn.qkv_proj(x), qkv.quantized.matmul(x))
+
+
 def test_symmetric_and_min_max_8bit_codes_keep_separate_limits():
     """The two 8-bit layouts run different inner loops, so a limit measured for one is not the other's."""
     from nanoserve.model.quant import group_codes, pack_groups, symmetric_codes
