@@ -76,11 +76,15 @@ class EngineCore:
 
         report("loading_weights")
         self.runner = _build_runner(options)
-        self.num_kv_blocks = self._num_kv_blocks()
-        self.max_model_len = self._fit_max_model_len(self.num_kv_blocks)
-        self.runner.allocate_kv_cache(self.num_kv_blocks)  # its pages are written while the weights load
-        self.runner.load_weights()
-        self.runner.wait_for_kv_cache()
+        try:
+            self.num_kv_blocks = self._num_kv_blocks()
+            self.max_model_len = self._fit_max_model_len(self.num_kv_blocks)
+            self.runner.allocate_kv_cache(self.num_kv_blocks)
+            self.runner.load_weights()
+            self.runner.wait_for_kv_cache()
+        except BaseException:
+            self.runner.free_kv_cache()  # its pages may still be being written
+            raise
         self.scheduler = Scheduler(
             options, self.num_kv_blocks, self.max_model_len, self.runner.sliding_window
         )

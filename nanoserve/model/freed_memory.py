@@ -5,7 +5,8 @@ their packed and huge-page copies replaced them, packed twins that no step reads
 jemalloc with its decay off (nanoserve.engine.core_client.allocator), which keeps every freed page for
 good so that steps never fault their buffers back in, and glibc's malloc keeps the free pages inside its
 heap. Once loading is done, one call asks either to return them: on the bundled model with int4, 126 MiB
-of jemalloc's, and 215 more once the unread packed twins were dropped.
+of jemalloc's, and 215 more once the unread packed twins were dropped. The pages of the start-up
+measurements' step buffers go with them, and the first steps fault those back in once.
 """
 
 from __future__ import annotations

@@ -13,12 +13,13 @@ touched inside a step costs that step a fault, and under a hypervisor a dear one
 VM, a fresh engine's 512-token prompts took 184 ms to the first token with the KV cache's pages faulted
 in by the prompts' own writes (160 ms in 4 KiB pages) and 130 ms with every page written before, where
 writing a GiB took 2.6 s in huge pages (0.35 s in 4 KiB ones). So the engine writes the KV cache's pages
-ahead (`populate_in_background`) while its weights load.
+ahead (`PageWriter`) while it reads the model's config.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import sys
@@ -33,7 +34,7 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
-PAGE = 4096
+PAGE = mmap.PAGESIZE
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23
 """Linux 5.14 and later: fault every page of a range in for writing, without changing its contents."""
@@ -44,11 +45,16 @@ ALIGNMENT = 64
 """Each copy starts on a cache line."""
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def madvise(address: int, length: int, advice: int) -> bool:
     """madvise(2) over [address, address + length) (address page-aligned); False where it fails."""
     if sys.platform != "linux" or length <= 0:
         return False
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc()
     if libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice) != 0:
         logger.debug("madvise(%d) failed: errno %d", advice, ctypes.get_errno())
         return False
@@ -60,34 +66,42 @@ def advise_huge_pages(address: int, length: int) -> bool:
     return madvise(address, length, MADV_HUGEPAGE)
 
 
-def populate(tensors: Sequence[Tensor]) -> None:
+def populate(tensors: Sequence[Tensor], stop: threading.Event | None = None) -> None:
     """Fault in every page of these CPU tensors for writing, their values unchanged: with
     MADV_POPULATE_WRITE where the kernel has it (the GIL released), else by writing one element a page
-    with its own value."""
+    with its own value. stop: checked between calls, to give up early."""
     began = time.perf_counter()
     for tensor in tensors:
         start, end = tensor.data_ptr() // PAGE * PAGE, tensor.data_ptr() + tensor.nbytes
         for chunk in range(start, end, POPULATE_CHUNK):
+            if stop is not None and stop.is_set():
+                return
             if not madvise(chunk, min(POPULATE_CHUNK, end - chunk), MADV_POPULATE_WRITE):
                 flat = tensor.view(-1).view(torch.uint8)
                 flat[::PAGE].add_(0)
+                flat[-1:].add_(0)
                 break
     megabytes = sum(t.nbytes for t in tensors) / 2**20
     logger.debug("wrote the pages of %.0f MiB in %.2f s", megabytes, time.perf_counter() - began)
 
 
-def populate_in_background(tensors: Sequence[Tensor], threads: int = 1) -> list[threading.Thread]:
-    """populate(tensors) on daemon threads, started, each with its share of the tensors (the kernel
-    zeroes a page on the thread that faults it in); join them before the pages are needed."""
-    shares = [list(tensors[i::threads]) for i in range(threads)]
-    started = [
-        threading.Thread(target=populate, args=(share,), name="populate", daemon=True)
-        for share in shares
-        if share
-    ]
-    for thread in started:
-        thread.start()
-    return started
+class PageWriter:
+    """populate(tensors) on a daemon thread, from construction on (the kernel zeroes a page on the thread
+    that faults it in); join it before the pages are needed."""
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=populate, args=(list(tensors), self._stop), name="populate")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def stop(self) -> None:
+        """Give up after the current call (2 MiB) and wait for that."""
+        self._stop.set()
+        self._thread.join()
 
 
 def _aligned(n: int, alignment: int) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 
 import numpy as np
@@ -26,7 +25,7 @@ from nanoserve.model.batch import RunnerOutput, ScheduledChunk, SchedulerOutput
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.flash_prefill import choose_min_query_len
 from nanoserve.model.freed_memory import return_freed_pages
-from nanoserve.model.huge_pages import HUGE_PAGE, HugePageBuffer, huge_page_buffer, populate_in_background
+from nanoserve.model.huge_pages import HUGE_PAGE, HugePageBuffer, PageWriter, huge_page_buffer
 from nanoserve.model.kernels import cpu_kernels
 from nanoserve.model.layers.causal_lm import CausalLM
 from nanoserve.model.layers.linear import cpu_prepack_supported
@@ -63,15 +62,6 @@ class ModelRunner:
         self.options = options
         self.device = resolve_device(options.device)
         self.model_path = resolve_model_path(options.model)
-        self._kv_buffer: HugePageBuffer | None = None
-        """The KV cache's memory, taken before the model's config is read so that its pages are written
-        while the config and the weights load (nanoserve.model.huge_pages); the caches are carved from it."""
-        self._kv_populating: list[threading.Thread] = []
-        if self.device.type == "cpu" and options.num_kv_blocks is None:
-            # the slack: room for each layer's cache to start on a cache line
-            self._kv_buffer = huge_page_buffer(options.kv_cache_budget + HUGE_PAGE)
-            self._kv_populating = populate_in_background([self._kv_buffer.data])
-        self.config = serving_config(load_model_config(self.model_path), options.max_model_len)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
         if options.kv_cache_dtype == "bfloat16" and self.dtype == torch.float16:
@@ -80,6 +70,20 @@ class ModelRunner:
                 "use kv_cache_dtype='auto' (or dtype='float32')."
             )
         self.kv_cache_dtype = torch.bfloat16 if options.kv_cache_dtype == "bfloat16" else self.dtype
+        self.kv_caches: list[torch.Tensor] = []
+        self._kv_buffer: HugePageBuffer | None = None
+        """The KV cache's memory, taken before the model's config is read so that its pages are written
+        meanwhile (nanoserve.model.huge_pages); the caches are carved from it."""
+        self._kv_writer: PageWriter | None = None
+        if self.device.type == "cpu" and options.num_kv_blocks is None:
+            # the slack: room for each layer's cache to start on a cache line
+            self._kv_buffer = huge_page_buffer(options.kv_cache_budget + HUGE_PAGE)
+            self._kv_writer = PageWriter([self._kv_buffer.data])
+        try:
+            self.config = serving_config(load_model_config(self.model_path), options.max_model_len)
+        except BaseException:
+            self.free_kv_cache()
+            raise
         self.vocab_size = self.config.vocab_size
         self.max_model_len = self.config.max_position_embeddings
         self.sliding_window = self.config.kv_window
@@ -90,28 +94,17 @@ class ModelRunner:
         self.model: CausalLM | None = None
         """None until load_weights, and after sleep(level=2) dropped the weights."""
         self.sampler = Sampler(options.seed, self.kernels)
-        self.flash_min_query_len = None
+        self.flash_min_query_len: int | None = None
         """Prompts whose context is at least this long attend through torch's flash attention (see
-        flash_prefill)."""
-        if self.kernels is not None:
-            c = self.config
-            self.flash_min_query_len = choose_min_query_len(
-                self.kernels,
-                c.num_heads,
-                c.num_kv_heads,
-                c.head_dim,
-                self.dtype,
-                options.block_size,
-                kv_dtype=self.kv_cache_dtype,
-            )
+        flash_prefill); chosen by load_weights."""
         self.max_decode_query_len = 1 + options.spec_num_tokens if options.speculative != "none" else 1
         """A decode with its drafts is verified on the decode path (see build_attention_metadata)."""
-        self.kv_caches: list[torch.Tensor] = []
         self._offloaded: dict[str, torch.Tensor] | None = None
 
     def load_weights(self) -> None:
-        """Load the model (again, after sleep level 2 dropped it). A KV cache allocated before has its
-        pages written meanwhile, and done before anything is timed."""
+        """Load the model (again, after sleep level 2 dropped it), once the KV cache's pages are written:
+        loading times kernels (the start-up measurements, cached per CPU), which must not share the
+        cores with that."""
         start = time.perf_counter()
         self.model = self._load()
         return_freed_pages()  # the temporaries of loading (nanoserve.model.freed_memory)
@@ -127,6 +120,18 @@ class ModelRunner:
 
     def _load(self) -> CausalLM:
         options = self.options
+        self.wait_for_kv_cache()
+        if self.kernels is not None:
+            c = self.config
+            self.flash_min_query_len = choose_min_query_len(
+                self.kernels,
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                self.dtype,
+                options.block_size,
+                kv_dtype=self.kv_cache_dtype,
+            )
         model = load_model(
             self.model_path,
             self.config,
@@ -136,7 +141,6 @@ class ModelRunner:
             self.kernels,
             options.matmul_choice,
         )
-        self.wait_for_kv_cache()  # the start-up measurements below must not share the cores with it
         if self.kernels is not None:
             if options.matmul_choice == "auto":
                 # timed on the fused decoder, whichever path the engine runs: the limits (and so the
@@ -150,6 +154,7 @@ class ModelRunner:
                     model.repack_for_quantized_steps(self.kernels)
             else:
                 self.kernels.set_weight_prefetch_bytes(DEFAULT_DISTANCE)
+                model.drop_unread_packed()
             model.use_cpu_kernels(self.kernels, fused_decode=options.cpu_kernels == "auto")
         return model
 
@@ -185,16 +190,20 @@ class ModelRunner:
         carved = reserved is not None and self.kv_caches[0].data_ptr() == reserved.data.data_ptr()
         if self.device.type == "cpu" and not carved:
             self.wait_for_kv_cache()
-            self._kv_populating = populate_in_background(self.kv_caches)
+            self._kv_writer = PageWriter(self.kv_caches)
 
     def wait_for_kv_cache(self) -> None:
         """Until every page of the KV cache is written."""
-        for thread in self._kv_populating:
-            thread.join()
-        self._kv_populating = []
+        if self._kv_writer is not None:
+            self._kv_writer.join()
+            self._kv_writer = None
 
     def free_kv_cache(self) -> None:
-        self.wait_for_kv_cache()
+        """Drop the cache (and its reserved memory), its pages' writer stopped first."""
+        if self._kv_writer is not None:
+            self._kv_writer.stop()
+            self._kv_writer = None
+        self._kv_buffer = None
         self.kv_caches = []
 
     def offload_weights(self) -> None:

@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 
 import psutil
 import pytest
 import torch
 
 import nanoserve.model.huge_pages as huge_pages
+from nanoserve.config import EngineOptions
 from nanoserve.model.huge_pages import (
     HUGE_PAGE,
+    MADV_POPULATE_WRITE,
     PAGE,
+    PageWriter,
     huge_page_buffer,
     huge_page_copies,
     huge_page_zeros,
     populate,
-    populate_in_background,
 )
+from nanoserve.model.runner import ModelRunner
 from tests.core.engine_steps import hf_greedy, make_prompts, request, run_to_completion, tiny_engine
 
 
@@ -102,9 +106,11 @@ def test_huge_page_zeros_are_backed_by_huge_pages_once_written():
 
 @pytest.mark.parametrize("madvise_works", [True, False])
 def test_populate_brings_every_page_in_and_keeps_the_values(madvise_works, monkeypatch):
-    if not madvise_works:  # a kernel before 5.14: one element a page is written with its own value
-        monkeypatch.setattr(huge_pages, "madvise", lambda address, length, advice: False)
     buffer = huge_page_buffer(24 << 20)
+    if madvise_works and not huge_pages.madvise(buffer.data.data_ptr(), PAGE, MADV_POPULATE_WRITE):
+        pytest.skip("no MADV_POPULATE_WRITE here (Linux before 5.14)")
+    if not madvise_works:  # one element a page is written with its own value
+        monkeypatch.setattr(huge_pages, "madvise", lambda address, length, advice: False)
     values = torch.arange(1000, dtype=torch.float32)
     buffer.data[5 << 20 : (5 << 20) + 4000].view(torch.float32).copy_(values)
     assert resident_fraction(buffer.data) < 0.5
@@ -114,14 +120,16 @@ def test_populate_brings_every_page_in_and_keeps_the_values(madvise_works, monke
     assert not buffer.data[: 5 << 20].any() and not buffer.data[(5 << 20) + 4000 :].any()
 
 
-def test_populate_in_background_runs_on_threads_that_finish():
+def test_a_page_writer_writes_on_its_thread_and_a_stopped_one_gives_up():
     buffer = huge_page_buffer(16 << 20)
-    threads = populate_in_background([buffer.data[: 8 << 20], buffer.data[8 << 20 :]], threads=2)
-    assert len(threads) == 2
-    for thread in threads:
-        thread.join(timeout=60)
-        assert not thread.is_alive()
+    writer = PageWriter([buffer.data])
+    writer.join()
     assert resident_fraction(buffer.data) == 1.0
+    untouched = huge_page_buffer(16 << 20)
+    stop = threading.Event()
+    stop.set()
+    populate([untouched.data], stop)
+    assert resident_fraction(untouched.data) == 0.0
 
 
 def test_the_engine_starts_with_its_kv_cache_in_memory(tiny_gqa_dir):
@@ -132,6 +140,8 @@ def test_the_engine_starts_with_its_kv_cache_in_memory(tiny_gqa_dir):
     engine = tiny_engine(tiny_gqa_dir, num_kv_blocks=None, kv_cache_memory_bytes=8 << 20)
     caches = engine.runner.kv_caches
     assert len({c.untyped_storage().data_ptr() for c in caches}) == 1
+    # the reserved buffer: the budget, its slack and the mapping's room to align
+    assert caches[0].untyped_storage().nbytes() == (8 << 20) + 2 * HUGE_PAGE
     assert all(resident_fraction(c) == 1.0 and not c.any() for c in caches)
     engine.add_request(request("a", prompt))
     assert run_to_completion(engine)["a"][0] == hf_greedy(tiny_gqa_dir, [prompt])[0]
@@ -140,3 +150,13 @@ def test_the_engine_starts_with_its_kv_cache_in_memory(tiny_gqa_dir):
     assert all(resident_fraction(c) == 1.0 and not c.any() for c in engine.runner.kv_caches)
     engine.add_request(request("b", prompt))
     assert run_to_completion(engine)["b"][0] == hf_greedy(tiny_gqa_dir, [prompt])[0]
+
+
+def test_a_runner_that_fails_to_read_its_model_stops_writing_its_kv_cache(tmp_path):
+    """The default GiB is reserved and being written before the config is read; a file that is no model
+    stops the writer at once instead of leaving it to write (and hold) the rest."""
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(64))
+    with pytest.raises(ValueError):
+        ModelRunner(EngineOptions(model=str(broken)))
+    assert not [t for t in threading.enumerate() if t.name == "populate" and t.is_alive()]

@@ -169,17 +169,25 @@ class CausalLM(nn.Module):
     def repack_for_quantized_steps(self, kernels: ModuleType | None = None) -> None:
         """Once the quantized copies have their limits, lay each shape's packed weights out (measured, as
         matmul_choice "auto") for the steps those leave to them, packing again only where that changes;
-        where a quantized copy serves every step size (every shape, on an AVX-512 VNNI CPU without AMX),
-        its packed twin is never read and is dropped (202 MiB for SmolLM2-135M)."""
+        the packed twins no step reads are dropped first (drop_unread_packed)."""
         self.fused_decoder = None  # it holds the packed weights: use_cpu_kernels builds it again
+        self.drop_unread_packed()
         layouts, _ = self._layouts("auto", kernels)
         for module, layout in layouts.items():
-            if module.quantized is not None and module.quantized.max_tokens == sys.maxsize:
-                module.packed = None
+            if module.packed is None:
                 continue
             if module.batch_hint != layout["batch_hint"]:
                 module.prepack(layout["batch_hint"])
             self._choose_large_steps(module, layout, kernels)
+
+    def drop_unread_packed(self) -> None:
+        """Free the packed weights whose quantized copy serves every step size (every shape, on an AVX-512
+        VNNI CPU without AMX: 202 MiB for SmolLM2-135M); call use_cpu_kernels after, as the fused decoder
+        holds them."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module.quantized is not None:
+                if module.quantized.max_tokens == sys.maxsize:
+                    module.packed = None
 
     @staticmethod
     def _choose_large_steps(module: Linear, layout: dict, kernels: ModuleType | None) -> None:
