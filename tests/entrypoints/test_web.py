@@ -159,19 +159,6 @@ def start_long_reply(page):
     return reply
 
 
-def count_text_updates(page) -> None:
-    """From now on, window.replyLengths collects each length the last reply's text is seen at."""
-    page.evaluate(
-        """() => {
-            window.replyLengths = new Set();
-            new MutationObserver(() => {
-                const replies = document.querySelectorAll("#messages .message.assistant .content");
-                if (replies.length) window.replyLengths.add(replies[replies.length - 1].textContent.length);
-            }).observe(document.getElementById("messages"), {childList: true, subtree: true, characterData: true});
-        }"""
-    )
-
-
 # -- chat --------------------------------------------------------------------------------------
 
 
@@ -183,7 +170,6 @@ def test_chat_streams_a_reply_kept_across_reload(web_server, open_page, tmp_path
     page.fill("#system-prompt", "You are terse.")
     set_settings(page, temperature="0", max_tokens="48")
     page.check("#ignore-eos")
-    count_text_updates(page)
     page.fill("#prompt", "Tell me about the sea.")
     page.press("#prompt", "Enter")  # the keyboard sends
 
@@ -191,7 +177,6 @@ def test_chat_streams_a_reply_kept_across_reload(web_server, open_page, tmp_path
     expect(reply).to_have_attribute("data-status", "done")
     expect(reply.locator(".note")).to_have_text("stopped at max tokens")
     text = reply.locator(".content").text_content()
-    assert page.evaluate("window.replyLengths.size") > 2, "the reply did not arrive in pieces"
     # the page shows exactly what the server generates for the same request
     body = {
         "messages": [
@@ -228,7 +213,11 @@ def test_stop_aborts_the_request_and_the_dashboard_sees_it(web_server, open_page
     page, console = open_page(web_server.url + "/")
     reply = start_long_reply(page)
     expect(page.locator("#stop")).to_be_enabled()
+    shown = len(reply.locator(".content").text_content() or "")
     page.wait_for_timeout(2500)  # so the charts' last whole second is this reply's alone
+    # the reply arrives in pieces: its text grew while it ran (a short one may land in one frame)
+    assert len(reply.locator(".content").text_content() or "") > shown
+    assert reply.get_attribute("data-status") not in ("done", "stopped")
 
     page.focus("#tab-chat")
     page.keyboard.press("ArrowRight")  # the tabs work from the keyboard
