@@ -174,8 +174,6 @@ class CausalLM(nn.Module):
         self.drop_unread_packed()
         layouts, _ = self._layouts("auto", kernels)
         for module, layout in layouts.items():
-            if module.packed is None:
-                continue
             if module.batch_hint != layout["batch_hint"]:
                 module.prepack(layout["batch_hint"])
             self._choose_large_steps(module, layout, kernels)
@@ -185,9 +183,8 @@ class CausalLM(nn.Module):
         VNNI CPU without AMX: 202 MiB for SmolLM2-135M); call use_cpu_kernels after, as the fused decoder
         holds them."""
         for module in self.modules():
-            if isinstance(module, Linear) and module.quantized is not None:
-                if module.quantized.max_tokens == sys.maxsize:
-                    module.packed = None
+            if isinstance(module, Linear) and module.quantized_serves_every_step:
+                module.packed = None
 
     @staticmethod
     def _choose_large_steps(module: Linear, layout: dict, kernels: ModuleType | None) -> None:
@@ -199,8 +196,13 @@ class CausalLM(nn.Module):
         self, matmul_choice: str, kernels: ModuleType | None
     ) -> tuple[dict[Linear, dict], dict | None]:
         """Each Linear's layout ({"batch_hint", "plain_from", "split_from"}, its shape timed at the steps
-        its quantized copies leave to it), and the tied lm_head's (None: untied)."""
-        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        its quantized copies leave to it; none for those whose quantized copy serves every step), and the
+        tied lm_head's (None: untied)."""
+        linears = [
+            module
+            for module in self.modules()
+            if isinstance(module, Linear) and not module.quantized_serves_every_step
+        ]
         by_shape: dict[tuple[int, int], list[Tensor]] = {}
         served_from: dict[tuple[int, int], int] = {}
         for module in linears:

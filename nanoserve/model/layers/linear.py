@@ -75,6 +75,11 @@ class Linear(nn.Linear):
             return out if self.bias is None else out + self.bias
         return self.unquantized(input)
 
+    @property
+    def quantized_serves_every_step(self) -> bool:
+        """Whether the quantized copy serves steps of every size, so that no step reads the packed weight."""
+        return self.quantized is not None and self.quantized.max_tokens == sys.maxsize
+
     def bytes_read(self, num_tokens: int) -> int:
         """Weight bytes a step of num_tokens rows reads: the quantized copy's where it serves the step."""
         bias = 0 if self.bias is None else self.bias.nbytes
