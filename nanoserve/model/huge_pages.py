@@ -127,10 +127,13 @@ class HugePageBuffer:
 def huge_page_buffer(nbytes: int) -> HugePageBuffer:
     # private: a shared anonymous mapping is shmem, whose huge pages /sys/kernel/mm/transparent_hugepage/
     # shmem_enabled governs ("never" by default), not the madvise mode that anonymous memory follows
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    # whole 2 MiB pages from the first boundary in it: the advice must not reach past the mapping (where
+    # it fails, or lands on a neighbour's memory)
+    pages = _aligned(nbytes, HUGE_PAGE)
+    mapping = mmap.mmap(-1, pages + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     start = _aligned(whole.data_ptr(), HUGE_PAGE) - whole.data_ptr()
-    advised = advise_huge_pages(whole.data_ptr() + start, _aligned(nbytes, HUGE_PAGE))
+    advised = advise_huge_pages(whole.data_ptr() + start, pages)
     return HugePageBuffer(whole[start : start + nbytes], advised)
 
 

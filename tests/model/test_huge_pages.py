@@ -56,6 +56,23 @@ def test_huge_page_copies_are_equal_views_of_one_aligned_buffer():
     assert advised == (sys.platform == "linux" and thp_mode() in ("always", "madvise"))
 
 
+@pytest.mark.parametrize("nbytes", [4096, 345_000, HUGE_PAGE, 3 * HUGE_PAGE + 5])
+def test_huge_page_advice_stays_inside_the_buffer_mapping(monkeypatch, nbytes):
+    """The advised range starts on the first 2 MiB boundary of the mapping and spans whole huge pages: a
+    mapping only 2 MiB longer than the buffer ended before it (for 4096 bytes, unless the mapping began
+    within 4 KiB of a boundary), so that the advice failed or landed on a neighbouring mapping."""
+    advised = []
+    monkeypatch.setattr(
+        huge_pages, "madvise", lambda address, length, advice: advised.append((address, length)) or True
+    )
+    buffer = huge_page_buffer(nbytes)
+    storage = buffer.data.untyped_storage()
+    ((address, length),) = advised
+    assert address % HUGE_PAGE == 0 and length % HUGE_PAGE == 0
+    assert address <= buffer.data.data_ptr() and buffer.data.data_ptr() + nbytes <= address + length
+    assert storage.data_ptr() <= address and address + length <= storage.data_ptr() + storage.nbytes()
+
+
 def test_huge_page_zeros_are_separate_zeroed_tensors_of_one_buffer():
     caches, _ = huge_page_zeros(3, (2, 3, 5, 16, 8), torch.bfloat16)
     assert all(c.shape == (2, 3, 5, 16, 8) and c.dtype == torch.bfloat16 and not c.any() for c in caches)
