@@ -9,11 +9,14 @@
 // Keys past a query's own position, or before its window, are masked out in the chunks that hold both.
 // Tasks differ in cost (a later tile sees more keys), so they are handed out one at a time. Where the CPU
 // has AVX512-BF16, bfloat16 scores and weighted sums are dot products of bf16 pairs (float32 sums), the
-// probabilities rounded to bf16 for the second, as PyTorch's own flash attention does. Where it also has
-// AMX, those products run on the tiles: 16 keys are scored against 16 rows per tile instruction (a key
-// per tile row, a row per column, so that the softmax in between runs in AVX-512 with a row per lane,
-// over blocks of up to 128 keys), and 32 keys' values are weighed per instruction and column tile (4.5x
-// faster than the pair dot products at 512 tokens on a Xeon).
+// probabilities rounded to bf16 for the second, as PyTorch's own flash attention does. For head sizes in
+// multiples of 32 the rows then go 16 at a time with a row per lane: each key's scores against them are one
+// vector, so the softmax runs down the lanes over blocks of up to 128 keys (no sums across lanes, one
+// exponential per 16 scores), and the probabilities, turned back into rows, weigh the values. With a key
+// per lane instead, the sums across lanes cost as much as the products: a row per lane is 1.7x faster at
+// 512 tokens and 1.9x at 2048 (Zen 5, AVX-512 pair dot products). With AMX those products run on the tiles:
+// 16 keys scored against 16 rows per tile instruction, 32 keys' values weighed per instruction and column
+// tile (4.5x faster than the pair dot products at 512 tokens on a Xeon).
 #include "kernels.h"
 #include "vec16.h"
 
@@ -187,58 +190,10 @@ inline void add_weighted_value_pairs(float* out, const vec16* p, const uint32_t*
 constexpr bool HAS_PAIR_DOTS = false;
 #endif
 
-
-#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
-// Linux lends a process the AMX tile registers only once it asks (oneDNN asks too; asking twice is harmless)
-bool tiles_granted() {
-  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  static const bool granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return granted;
-}
-
-// Every tile used here is 16 rows of 64 bytes: 16 x 32 bf16 (A), 16 pairs x 16 columns (B), 16 x 16 float32 (C)
-void configure_tiles() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t bytes_per_row[16] = {};
-    uint8_t rows[16] = {};
-  } config;
-  for (int t = 0; t < 8; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
-}
-
+#if defined(__AVX512BF16__)
 constexpr int64_t TILE_ROWS = 16;
 constexpr float LOG2E = 1.44269504f;
 constexpr int64_t KEY_BLOCK = 128;  // keys scored before they are weighed: the running softmax rescales per block
-
-// acc[16 rows][the 4 column tiles from `column`] += probs [16 rows][2 * pairs chunks of keys] times those
-// keys' values (value_pairs' layout: a pair of chunks is one B tile per column tile); tile registers are
-// named at compile time, hence the unrolled cases
-template <int64_t D>
-inline void weigh_values(float* acc, const uint16_t* probs, const uint32_t* values, int64_t pairs, int64_t column) {
-  const int64_t n = std::min<int64_t>(4, D / 16 - column);
-  float* out = acc + column * 16;
-  _tile_loadd(0, out, D * 4);
-  if (n > 1) _tile_loadd(1, out + 16, D * 4);
-  if (n > 2) _tile_loadd(2, out + 32, D * 4);
-  if (n > 3) _tile_loadd(3, out + 48, D * 4);
-  for (int64_t pair = 0; pair < pairs; ++pair) {
-    const uint32_t* v = values + pair * KEY_CHUNK * D + column * 16;  // a pair of chunks: KEY_CHUNK rows of D
-    _tile_loadd(4, probs + pair * 2 * KEY_CHUNK, KEY_BLOCK * 2);
-    _tile_loadd(5, v, D * 4);
-    _tile_dpbf16ps(0, 4, 5);
-    if (n > 1) { _tile_loadd(6, v + 16, D * 4); _tile_dpbf16ps(1, 4, 6); }
-    if (n > 2) { _tile_loadd(7, v + 32, D * 4); _tile_dpbf16ps(2, 4, 7); }
-    if (n > 3) { _tile_loadd(5, v + 48, D * 4); _tile_dpbf16ps(3, 4, 5); }
-  }
-  _tile_stored(0, out, D * 4);
-  if (n > 1) _tile_stored(1, out + 16, D * 4);
-  if (n > 2) _tile_stored(2, out + 32, D * 4);
-  if (n > 3) _tile_stored(3, out + 48, D * 4);
-}
 
 // 2^t to 8.6e-5 relative error, exact at whole t: 1 + a cubic for 2^f - 1 on [0, 1) (fitted to the
 // relative error), scaled by 2^floor(t) in one instruction; t below -126 counts as -126 (2^-126: nothing
@@ -363,6 +318,103 @@ void softmax_block(float* scores, uint16_t* probs, float* acc, int64_t chunks, i
   total = _mm512_add_ps(total, _mm512_add_ps(sums[0], sums[1]));
 }
 
+// The products of rows in lanes as pair dot products in AVX-512 registers (a CPU with AVX512-BF16 but no
+// AMX): the same layouts as the tiles', the same roundings
+struct PairDotProducts {
+  // scores [key][row] of a block's chunks of keys: a chunk's 16 keys are 16 independent sums, each a
+  // vector of the 16 rows, and each pair of query dimensions is loaded once for all of them
+  template <int64_t D>
+  static void score(const uint32_t* query_pairs, const uint16_t* keys, float* scores, int64_t chunks) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const uint16_t* chunk = keys + c * KEY_CHUNK * D;
+      __m512 sums[KEY_CHUNK];
+      for (int64_t t = 0; t < KEY_CHUNK; ++t) sums[t] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < D / 2; ++i) {
+        const __m512bh query = (__m512bh)_mm512_load_si512(query_pairs + i * TILE_ROWS);
+        for (int64_t t = 0; t < KEY_CHUNK; ++t) {
+          uint32_t pair;
+          std::memcpy(&pair, chunk + t * D + 2 * i, sizeof pair);
+          sums[t] = _mm512_dpbf16_ps(sums[t], query, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair)));
+        }
+      }
+      for (int64_t t = 0; t < KEY_CHUNK; ++t) _mm512_store_ps(scores + (c * KEY_CHUNK + t) * TILE_ROWS, sums[t]);
+    }
+  }
+
+  // acc [16 rows][D] += probs [16 rows][2 * pairs chunks of keys] times those keys' value pairs,
+  // pair_rows(D) rows at a time: each value vector is loaded once for those rows
+  template <int64_t D>
+  static void weigh(float* acc, const uint16_t* probs, const uint32_t* values, int64_t pairs) {
+    constexpr int V = D / 16, R = pair_rows(D);
+    const int64_t key_pairs = pairs * KEY_CHUNK;  // a pair of chunks holds KEY_CHUNK pairs of keys
+    for (int64_t row = 0; row < TILE_ROWS; row += R) {
+      __m512 sums[R][V];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < V; ++c) sums[r][c] = _mm512_loadu_ps(acc + (row + r) * D + 16 * c);
+      for (int64_t j = 0; j < key_pairs; ++j) {
+        __m512bh value[V];
+        for (int c = 0; c < V; ++c) value[c] = (__m512bh)_mm512_loadu_si512(values + j * D + 16 * c);
+        for (int r = 0; r < R; ++r) {
+          uint32_t weight;
+          std::memcpy(&weight, probs + (row + r) * KEY_BLOCK + 2 * j, sizeof weight);
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(weight));
+          for (int c = 0; c < V; ++c) sums[r][c] = _mm512_dpbf16_ps(sums[r][c], w, value[c]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + (row + r) * D + 16 * c, sums[r][c]);
+    }
+  }
+};
+
+#if defined(__AMX_BF16__)
+// Linux lends a process the AMX tile registers only once it asks (oneDNN asks too; asking twice is harmless)
+bool tiles_granted() {
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  static const bool granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return granted;
+}
+
+// Every tile used here is 16 rows of 64 bytes: 16 x 32 bf16 (A), 16 pairs x 16 columns (B), 16 x 16 float32 (C)
+void configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// acc[16 rows][the 4 column tiles from `column`] += probs [16 rows][2 * pairs chunks of keys] times those
+// keys' values (value_pairs' layout: a pair of chunks is one B tile per column tile); tile registers are
+// named at compile time, hence the unrolled cases
+template <int64_t D>
+inline void weigh_values(float* acc, const uint16_t* probs, const uint32_t* values, int64_t pairs, int64_t column) {
+  const int64_t n = std::min<int64_t>(4, D / 16 - column);
+  float* out = acc + column * 16;
+  _tile_loadd(0, out, D * 4);
+  if (n > 1) _tile_loadd(1, out + 16, D * 4);
+  if (n > 2) _tile_loadd(2, out + 32, D * 4);
+  if (n > 3) _tile_loadd(3, out + 48, D * 4);
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const uint32_t* v = values + pair * KEY_CHUNK * D + column * 16;  // a pair of chunks: KEY_CHUNK rows of D
+    _tile_loadd(4, probs + pair * 2 * KEY_CHUNK, KEY_BLOCK * 2);
+    _tile_loadd(5, v, D * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    if (n > 1) { _tile_loadd(6, v + 16, D * 4); _tile_dpbf16ps(1, 4, 6); }
+    if (n > 2) { _tile_loadd(7, v + 32, D * 4); _tile_dpbf16ps(2, 4, 7); }
+    if (n > 3) { _tile_loadd(5, v + 48, D * 4); _tile_dpbf16ps(3, 4, 5); }
+  }
+  _tile_stored(0, out, D * 4);
+  if (n > 1) _tile_stored(1, out + 16, D * 4);
+  if (n > 2) _tile_stored(2, out + 32, D * 4);
+  if (n > 3) _tile_stored(3, out + 48, D * 4);
+}
+
 // scores [key][row] of up to 4 chunks of keys (K Q^T), a chunk per accumulating tile: four independent
 // chains keep the tile unit busy, where one or two wait on each product before the next (tile registers
 // are named at compile time, hence the unrolled cases)
@@ -387,18 +439,36 @@ inline void score_chunks(const uint32_t* query_pairs, const uint16_t* keys, floa
   if (n > 3) _tile_stored(3, scores + 3 * KEY_CHUNK * TILE_ROWS, 64);
 }
 
-// attend_tile on the AMX tiles: 16 rows at a time score a block of keys, a key per tile row and a row per
-// column (K Q^T: the keys' rows straight from the packed cache), so that the softmax runs down the lanes
-// with a row in each (no sums across lanes, one exponential per 16 scores); its probabilities, turned back
-// into rows, weigh the block's values (P V) into float32 sums kept in memory between blocks
-template <int64_t D>
-void attend_tile_amx(const at::BFloat16* q, const PackedContext& context, at::BFloat16* out, const Layout& L,
-                     int64_t kv_head, int64_t context_start, int64_t first_query, int64_t num_queries, float scale,
-                     int64_t window, float softcap) {
+// The products of rows in lanes on the AMX tiles
+struct TileProducts {
+  template <int64_t D>
+  static void score(const uint32_t* query_pairs, const uint16_t* keys, float* scores, int64_t chunks) {
+    for (int64_t c = 0; c < chunks; c += 4)
+      score_chunks<D>(query_pairs, keys + c * KEY_CHUNK * D, scores + c * KEY_CHUNK * TILE_ROWS,
+                      std::min<int64_t>(4, chunks - c));
+  }
+
+  template <int64_t D>
+  static void weigh(float* acc, const uint16_t* probs, const uint32_t* values, int64_t pairs) {
+    for (int64_t column = 0; column < D / 16; column += 4) weigh_values<D>(acc, probs, values, pairs, column);
+  }
+};
+
+#endif  // __AMX_BF16__
+
+// attend_tile with a row per lane: 16 rows at a time score a block of keys, each key's scores one vector
+// of the rows (K Q^T: the keys' rows straight from the packed cache), so that the softmax runs down the
+// lanes with a row in each (no sums across lanes, one exponential per 16 scores); its probabilities,
+// turned back into rows, weigh the block's values (P V) into float32 sums kept in memory between blocks.
+// Products: PairDotProducts or TileProducts.
+template <typename Products, int64_t D>
+void attend_rows_in_lanes(const at::BFloat16* q, const PackedContext& context, at::BFloat16* out, const Layout& L,
+                          int64_t kv_head, int64_t context_start, int64_t first_query, int64_t num_queries,
+                          float scale, int64_t window, float softcap) {
   const int64_t per_kv = L.per_kv, rows = num_queries * per_kv;
   const int64_t first = context_start + first_query;
   const int64_t start = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
-  alignas(64) uint32_t query_pairs[D / 2 * TILE_ROWS];  // Q^T as B tiles: [pair of dimensions][row]
+  alignas(64) uint32_t query_pairs[D / 2 * TILE_ROWS];  // Q^T: [pair of dimensions][row]
   alignas(64) float scores[KEY_BLOCK * TILE_ROWS];      // [key][row]
   alignas(64) uint16_t probs[TILE_ROWS * KEY_BLOCK];    // [row][key]
   alignas(64) float acc[TILE_ROWS * D];
@@ -427,14 +497,11 @@ void attend_tile_amx(const at::BFloat16* q, const PackedContext& context, at::BF
     for (int64_t block = first_index; block < end_index; block += KEY_BLOCK / KEY_CHUNK) {
       const int64_t chunks = std::min(KEY_BLOCK / KEY_CHUNK, end_index - block);
       const uint16_t* keys = context.key_rows.data() + block * KEY_CHUNK * D;
-      for (int64_t c = 0; c < chunks; c += 4)
-        score_chunks<D>(query_pairs, keys + c * KEY_CHUNK * D, scores + c * KEY_CHUNK * TILE_ROWS,
-                        std::min<int64_t>(4, chunks - c));
+      Products::template score<D>(query_pairs, keys, scores, chunks);
       softmax_block<D>(scores, probs, acc, chunks, (context.first_chunk + block) * KEY_CHUNK, visible, scale, softcap,
                        block > first_index, max_score, total);
       const uint32_t* values = context.value_pairs.data() + block * KEY_CHUNK / 2 * D;
-      for (int64_t column = 0; column < D / 16; column += 4)
-        weigh_values<D>(acc, probs, values, (chunks + 1) / 2, column);
+      Products::template weigh<D>(acc, probs, values, (chunks + 1) / 2);
     }
     alignas(64) float totals[TILE_ROWS];
     _mm512_store_ps(totals, total);
@@ -446,7 +513,8 @@ void attend_tile_amx(const at::BFloat16* q, const PackedContext& context, at::BF
     }
   }
 }
-#endif
+#endif  // __AVX512BF16__
+
 
 template <bool PAIRS, typename T, int FIXED_D>
 void attend_tile(const T* q, const PackedContext& context, T* out, const Layout& L, int64_t head_dim,
@@ -585,12 +653,9 @@ void prefill_attention(const T* q, const KV* kv, const int32_t* block_table, con
                          FIXED_D > 0 && FIXED_D % 16 == 0;
   std::vector<PackedContext> contexts(num_seqs * L.num_kv_heads);
   const int threads = at::get_num_threads();
+  constexpr bool LANES = PAIRS && FIXED_D % 32 == 0;  // rows in lanes: the query is transposed 32 dimensions at a time
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  constexpr bool TILES = PAIRS && FIXED_D % 32 == 0;
-  const bool tiles = TILES && tiles_granted();
-  const bool key_rows = tiles;
-#else
-  const bool key_rows = false;
+  const bool tiles = LANES && tiles_granted();
 #endif
 #pragma omp parallel num_threads(threads)
   {
@@ -599,7 +664,7 @@ void prefill_attention(const T* q, const KV* kv, const int32_t* block_table, con
       const int64_t seq = item / L.num_kv_heads, context_start = seq_lens[seq] - query_lens[seq];
       const int64_t start = window > 0 ? std::max<int64_t>(0, context_start - window + 1) : 0;
       pack_context<PAIRS>(kv, block_table + seq * L.max_blocks, L, head_dim, item % L.num_kv_heads, start, seq_lens[seq],
-                          key_rows, contexts[item]);
+                          LANES, contexts[item]);
     }
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (tiles) configure_tiles();
@@ -608,16 +673,22 @@ void prefill_attention(const T* q, const KV* kv, const int32_t* block_table, con
     for (int64_t i = 0; i < num_tasks; ++i) {
       const Task& task = tasks[i];
       const int64_t len = query_lens[task.seq];
-#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
-      if constexpr (TILES) {
+#if defined(__AVX512BF16__)
+      if constexpr (LANES) {
+        const auto attend = [&](auto products) {
+          attend_rows_in_lanes<decltype(products), FIXED_D>(
+              q + query_starts[task.seq] * L.num_heads * head_dim, contexts[task.seq * L.num_kv_heads + task.kv_head],
+              out + out_starts[task.seq] * L.num_heads * head_dim, L, task.kv_head, seq_lens[task.seq] - len,
+              task.first_query, std::min(QUERY_TILE, len - task.first_query), scale, window, softcap);
+        };
+#if defined(__AMX_BF16__)
         if (tiles) {
-          attend_tile_amx<FIXED_D>(q + query_starts[task.seq] * L.num_heads * head_dim,
-                                   contexts[task.seq * L.num_kv_heads + task.kv_head],
-                                   out + out_starts[task.seq] * L.num_heads * head_dim, L, task.kv_head,
-                                   seq_lens[task.seq] - len, task.first_query,
-                                   std::min(QUERY_TILE, len - task.first_query), scale, window, softcap);
+          attend(TileProducts{});
           continue;
         }
+#endif
+        attend(PairDotProducts{});
+        continue;
       }
 #endif
       attend_tile<PAIRS, T, FIXED_D>(q + query_starts[task.seq] * L.num_heads * head_dim,
