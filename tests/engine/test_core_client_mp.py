@@ -11,9 +11,10 @@ import time
 import numpy as np
 import psutil
 import pytest
+import zmq
 
 from nanoserve.config import EngineOptions
-from nanoserve.engine.core_client.async_mp import AsyncMPClient
+from nanoserve.engine.core_client.async_mp import READ_BURST, AsyncMPClient, AsyncOutputReader
 from nanoserve.engine.core_client.base import EngineCoreClient
 from nanoserve.engine.core_client.inproc import InprocClient
 from nanoserve.engine.core_client.sync_mp import SyncMPClient
@@ -476,6 +477,37 @@ def test_answer_to_cancelled_future_is_tolerated():
         calls.resolve(UtilityOutput(calls.register(0, 0, future), failure_message="boom"))
 
     asyncio.run(main())
+
+
+def test_output_reader_lets_other_tasks_run_during_a_flood():
+    """Messages already queued on the socket are read READ_BURST at a time, with the loop's other tasks
+    run in between: drained in one go, a flood kept them waiting until it ended."""
+    flood = 10 * READ_BURST
+    ctx = zmq.Context()
+    reader = AsyncOutputReader()
+    endpoint, _ = reader.open(ctx, "tcp", "127.0.0.1", None)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(endpoint)
+    dispatched: list[int] = []
+
+    async def main() -> list[int]:
+        for i in range(flood):
+            push.send(i.to_bytes(4, "little"))
+        reader.start(lambda frames: dispatched.append(int.from_bytes(frames[0].bytes, "little")), print)
+        seen = []
+        while len(dispatched) < flood:
+            seen.append(len(dispatched))
+            await asyncio.sleep(0)
+        return seen
+
+    try:
+        seen = asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        reader.stop()
+        push.close(linger=0)
+        ctx.term()
+    assert dispatched == list(range(flood))
+    assert len({count for count in seen if 0 < count < flood}) >= flood // READ_BURST - 2
 
 
 @pytest.mark.timeout(120)

@@ -123,7 +123,7 @@ def test_a_killed_actor_is_restarted_and_its_requests_resume(ray_cluster, tiny_g
                 assert time.monotonic() < deadline and not [t.result() for t in tasks.values() if t.done()]
                 await asyncio.sleep(0.01)
             await engine.wake_up()
-            while min(len(e.token_ids) for e in client.ledger.entries.values()) < 10:
+            while min((len(e.token_ids) for e in client.ledger.entries.values()), default=0) < 10:
                 assert time.monotonic() < deadline and not [t.result() for t in tasks.values() if t.done()]
                 await asyncio.sleep(0.01)
             on_rank_1 = {rid for rid in tasks if client.balancer.owner(rid) == 1}

@@ -26,6 +26,11 @@ from nanoserve.engine.core_client.router import EngineRouter, RankDeath, SingleR
 from nanoserve.wire.messages import EngineCoreOutputs, EngineCoreRequest
 from nanoserve.wire.sockets import CurveServer, bind_socket
 
+READ_BURST = 256
+"""Messages the reader hands on in a row. Awaiting a socket that already holds a message does not
+suspend, so without a bound a rank that outputs faster than the frontend reads (a model-free engine
+streams thousands of steps a second) kept the loop's other tasks (HTTP handlers, the output handler,
+a caller polling progress) waiting for as long as it did."""
 LOOP_STOP_WAIT_S = 1.0
 """How long shutdown waits for the reader's loop to cancel the task and close its socket; past that
 the loop is busy or stopping, and the socket is closed from here."""
@@ -152,17 +157,20 @@ class AsyncOutputReader:
 async def _read_outputs(
     sock: zmq.asyncio.Socket, dispatch: Callable[[list], None], on_failure: Callable[[Exception], None]
 ) -> None:
-    # a blocking view of the same socket drains bursts without a future per message
+    # a blocking view of the same socket drains bursts without a future per message, READ_BURST at most
+    # before the loop's other tasks get their turn
     sync_view = zmq.Socket.shadow(sock.underlying)
     try:
         while True:
-            frames = await sock.recv_multipart(copy=False)
-            while frames is not None:
-                dispatch(frames)
+            dispatch(await sock.recv_multipart(copy=False))
+            for _ in range(READ_BURST - 1):
                 try:
                     frames = sync_view.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
-                    frames = None
+                    break
+                dispatch(frames)
+            else:
+                await asyncio.sleep(0)
     except Exception as e:
         on_failure(e)
 
