@@ -13,10 +13,10 @@
 // multiples of 32 the rows then go 16 at a time with a row per lane: each key's scores against them are one
 // vector, so the softmax runs down the lanes over blocks of up to 128 keys (no sums across lanes, one
 // exponential per 16 scores), and the probabilities, turned back into rows, weigh the values. With a key
-// per lane instead, the sums across lanes cost as much as the products: a row per lane is 1.7x faster at
-// 512 tokens and 1.9x at 2048 (Zen 5, AVX-512 pair dot products). With AMX those products run on the tiles:
-// 16 keys scored against 16 rows per tile instruction, 32 keys' values weighed per instruction and column
-// tile (4.5x faster than the pair dot products at 512 tokens on a Xeon).
+// per lane instead, the sums across lanes cost as much as the products: a row per lane is 1.8-2.0x faster
+// at 512 tokens and 1.9x at 2048 (Zen 5, AVX-512 pair dot products). With AMX those products run on the
+// tiles: 16 keys scored against 16 rows per tile instruction, 32 keys' values weighed per instruction and
+// column tile (4.5x faster than the pair dot products at 512 tokens on a Xeon).
 #include "kernels.h"
 #include "vec16.h"
 
