@@ -158,8 +158,9 @@ PREFILL_CASES = {
 
 
 @pytest.mark.parametrize("case", PREFILL_CASES)
-# 80: bf16 pair dot products without the AMX tiles (which take multiples of 32), where a CPU has both
-@pytest.mark.parametrize("head_dim", [64, 128, 24, 80])
+# 32 to 256: a row per lane with AVX512-BF16 (each size its own number of rows weighed at once); 80: a key
+# per lane in bf16 pairs (a row per lane takes multiples of 32); 24: no fixed size
+@pytest.mark.parametrize("head_dim", [64, 128, 24, 80, 32, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "window, softcap", [(0, 0.0), (40, 0.0), (0, 2.0), (7, 3.0)], ids=["plain", "window", "softcap", "both"]
@@ -207,7 +208,7 @@ def test_prefill_attention_matches_reference(kernels, two_threads, case, head_di
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 300])
 def test_prefill_attention_over_long_contexts(kernels, two_threads, head_dim, dtype, window):
-    """Contexts longer than a block of keys (256 on the AMX tiles): the running softmax carries across
+    """Contexts longer than a block of keys (128 with a row per lane): the running softmax carries across
     blocks, an odd number of key chunks ends a block, a tile's first rows see none of the keys of its
     last block (they sit past those rows' positions), and a long window starts inside a block."""
     torch.manual_seed(window + head_dim)

@@ -157,20 +157,22 @@ class AsyncOutputReader:
 async def _read_outputs(
     sock: zmq.asyncio.Socket, dispatch: Callable[[list], None], on_failure: Callable[[Exception], None]
 ) -> None:
-    # a blocking view of the same socket drains bursts without a future per message, READ_BURST at most
-    # before the loop's other tasks get their turn
+    # a blocking view of the same socket drains bursts without a future per message; every READ_BURST
+    # messages (counted across awaits, which need not suspend) the loop's other tasks get their turn
     sync_view = zmq.Socket.shadow(sock.underlying)
+    read = 0
     try:
         while True:
-            dispatch(await sock.recv_multipart(copy=False))
-            for _ in range(READ_BURST - 1):
+            frames = await sock.recv_multipart(copy=False)
+            while frames is not None:
+                dispatch(frames)
+                read += 1
+                if read % READ_BURST == 0:
+                    await asyncio.sleep(0)
                 try:
                     frames = sync_view.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
-                    break
-                dispatch(frames)
-            else:
-                await asyncio.sleep(0)
+                    frames = None
     except Exception as e:
         on_failure(e)
 

@@ -50,7 +50,7 @@ struct Layout {
 // - float32 (PAIRS false): keys transposed ([chunk][D] vectors), values as rows ([chunk][KEY_CHUNK][D]);
 // - bf16 pairs (PAIRS true): keys as [chunk][D / 2] vectors of (k[2i], k[2i + 1]) per lane, values as
 //   [chunk][KEY_CHUNK / 2][D] pairs (v[2j][d], v[2j + 1][d]), ready for pair dot products;
-// - for the AMX tiles (key_rows set): the keys as they are in the cache, [chunk][KEY_CHUNK][D] bf16, in
+// - for a row per lane (key_rows set): the keys as they are in the cache, [chunk][KEY_CHUNK][D] bf16, in
 //   place of the key pairs, and the value pairs.
 struct PackedContext {
   int64_t first_chunk;
@@ -66,7 +66,7 @@ void pack_context(const T* kv, const int32_t* table, const Layout& L, int64_t D,
                   int64_t stop, bool key_rows, PackedContext& packed) {
   packed.first_chunk = start / KEY_CHUNK;
   const int64_t chunks = (stop + KEY_CHUNK - 1) / KEY_CHUNK - packed.first_chunk;
-  if constexpr (PAIRS) {  // one chunk more of zero values: the tiles weigh values two chunks at a time
+  if constexpr (PAIRS) {  // one chunk more of zero values: a row per lane weighs values two chunks at a time
     if (key_rows)
       packed.key_rows.assign(chunks * KEY_CHUNK * D, 0);
     else
@@ -186,11 +186,7 @@ inline void add_weighted_value_pairs(float* out, const vec16* p, const uint32_t*
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < V; ++c) _mm512_storeu_ps(out + r * FIXED_D + 16 * c, sums[r][c]);
 }
-#else
-constexpr bool HAS_PAIR_DOTS = false;
-#endif
 
-#if defined(__AVX512BF16__)
 constexpr int64_t TILE_ROWS = 16;
 constexpr float LOG2E = 1.44269504f;
 constexpr int64_t KEY_BLOCK = 128;  // keys scored before they are weighed: the running softmax rescales per block
@@ -254,7 +250,7 @@ struct Visibility {
 };
 
 // The softmax of a tile's 16 rows over a block of keys, a row per lane: scores [key][row] (unscaled, as the
-// tiles left them) -> probs [row][key] in bf16, with the running max and total updated and the sums in acc
+// products left them) -> probs [row][key] in bf16, with the running max and total updated and the sums in acc
 // rescaled where a row's max grew. The keys of a last odd chunk's partner get zero weight.
 template <int64_t D>
 void softmax_block(float* scores, uint16_t* probs, float* acc, int64_t chunks, int64_t first_key,
@@ -465,6 +461,7 @@ template <typename Products, int64_t D>
 void attend_rows_in_lanes(const at::BFloat16* q, const PackedContext& context, at::BFloat16* out, const Layout& L,
                           int64_t kv_head, int64_t context_start, int64_t first_query, int64_t num_queries,
                           float scale, int64_t window, float softcap) {
+  static_assert(D % 32 == 0, "the query is transposed 32 dimensions at a time");
   const int64_t per_kv = L.per_kv, rows = num_queries * per_kv;
   const int64_t first = context_start + first_query;
   const int64_t start = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
@@ -513,8 +510,9 @@ void attend_rows_in_lanes(const at::BFloat16* q, const PackedContext& context, a
     }
   }
 }
+#else
+constexpr bool HAS_PAIR_DOTS = false;
 #endif  // __AVX512BF16__
-
 
 template <bool PAIRS, typename T, int FIXED_D>
 void attend_tile(const T* q, const PackedContext& context, T* out, const Layout& L, int64_t head_dim,
@@ -688,14 +686,15 @@ void prefill_attention(const T* q, const KV* kv, const int32_t* block_table, con
         }
 #endif
         attend(PairDotProducts{});
-        continue;
-      }
+      } else
 #endif
-      attend_tile<PAIRS, T, FIXED_D>(q + query_starts[task.seq] * L.num_heads * head_dim,
-                              contexts[task.seq * L.num_kv_heads + task.kv_head],
-                              out + out_starts[task.seq] * L.num_heads * head_dim, L, head_dim, task.kv_head,
-                              seq_lens[task.seq] - len, task.first_query, std::min(QUERY_TILE, len - task.first_query),
-                              scale, window, softcap);
+      {
+        attend_tile<PAIRS, T, FIXED_D>(q + query_starts[task.seq] * L.num_heads * head_dim,
+                                       contexts[task.seq * L.num_kv_heads + task.kv_head],
+                                       out + out_starts[task.seq] * L.num_heads * head_dim, L, head_dim, task.kv_head,
+                                       seq_lens[task.seq] - len, task.first_query,
+                                       std::min(QUERY_TILE, len - task.first_query), scale, window, softcap);
+      }
     }
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (tiles) _tile_release();
