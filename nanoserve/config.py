@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from nanoserve import envs
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e5m2")
 RUNNERS = ("model", "null")
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 QUANTIZATIONS = ("none", "auto", "int4", "int8")
@@ -39,7 +39,10 @@ class EngineOptions:
     """auto: the model's dtype. bfloat16: cached K and V rounded to bfloat16 under a float32 model (dtype
     auto on a CPU without native bf16): half the bytes per cached token, so twice the tokens fit and
     decode attention reads half as much; tokens may differ from a float32 cache's. Under a bfloat16 model
-    it is the model's own dtype; under float16 it is refused (no bytes saved, three mantissa bits lost)."""
+    it is the model's own dtype; under float16 it is refused (no bytes saved, three mantissa bits lost).
+    fp8_e5m2: K and V rounded to 8-bit floats (5 exponent bits, 2 mantissa bits, no scale), under any
+    model dtype: a byte per value, so twice a bf16 cache's tokens fit and long-context decode reads half
+    the bytes; each value keeps about 2 significant bits, so tokens drift from an exact cache's sooner."""
     max_model_len: int | None = None
     """None: the model's own limit, reduced to what the KV cache can hold."""
     max_num_seqs: int = 128

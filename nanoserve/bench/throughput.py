@@ -92,14 +92,20 @@ def time_transformers(model, prompts: list[list[int]], new_tokens: int) -> float
     return len(prompts) * new_tokens / elapsed
 
 
+KV_CACHE_SUFFIXES = {"kvbf16": "bfloat16", "kvfp8": "fp8_e5m2"}
+"""Engine-name suffixes and the --kv-cache-dtype each names."""
+
+
 def nanoserve_options(name: str) -> dict:
     """`mp-int4-nokernels` -> the LLM options it names."""
     mode, *suffixes = name.split("-")
     quantizations = [s for s in suffixes if s in ("auto", "int4", "int8")]
+    caches = [KV_CACHE_SUFFIXES[s] for s in suffixes if s in KV_CACHE_SUFFIXES]
     if (
         mode not in ("mp", "inproc")
-        or not set(suffixes) <= {"auto", "int4", "int8", "nokernels", "unfused", "kvbf16"}
+        or not set(suffixes) <= {"auto", "int4", "int8", "nokernels", "unfused", *KV_CACHE_SUFFIXES}
         or len(quantizations) > 1
+        or len(caches) > 1
         or {"nokernels", "unfused"} <= set(suffixes)
     ):
         raise ValueError(f"unknown engine {name!r}")
@@ -108,7 +114,7 @@ def nanoserve_options(name: str) -> dict:
         "multiprocess_mode": mode == "mp",
         "quantization": quantizations[0] if quantizations else "none",
         "cpu_kernels": kernels,
-        "kv_cache_dtype": "bfloat16" if "kvbf16" in suffixes else "auto",
+        "kv_cache_dtype": caches[0] if caches else "auto",
     }
 
 
@@ -166,8 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         default="mp,transformers",
         help="comma-separated, first is the reference for ratios: mp (engine core in a child process) or "
         "inproc (same process), each optionally followed by -int4, -int8 or -auto (--quantization), "
-        "-nokernels (--cpu-kernels off) or -unfused (--cpu-kernels unfused) and -kvbf16 (--kv-cache-dtype "
-        "bfloat16), e.g. mp-int4; and transformers",
+        "-nokernels (--cpu-kernels off) or -unfused (--cpu-kernels unfused) and -kvbf16 or -kvfp8 "
+        "(--kv-cache-dtype bfloat16 or fp8_e5m2), e.g. mp-int4; and transformers",
     )
     parser.add_argument("--profile", action="store_true", help="write a torch profiler trace of a decode run")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw tok/s against batch size")

@@ -328,8 +328,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, attn: Att
     kernels, the model writes them while applying rotary embeddings instead.)"""
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     slots = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
-    slots[0].index_copy_(1, attn.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
-    slots[1].index_copy_(1, attn.slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
+    k, v = k.transpose(0, 1).to(kv_cache.dtype), v.transpose(0, 1).to(kv_cache.dtype)
+    if kv_cache.dtype.is_floating_point and kv_cache.dtype.itemsize == 1:  # fp8: no index_copy_ on the CPU
+        slots, k, v = slots.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    slots[0].index_copy_(1, attn.slot_mapping, k)
+    slots[1].index_copy_(1, attn.slot_mapping, v)
 
 
 def paged_attention(

@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 PROMPT_LOGPROBS_ROWS = 256
 """Prompt positions turned into full-vocabulary logprobs at a time (256 x 49152 floats = 48 MiB)."""
+KV_CACHE_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e5m2": torch.float8_e5m2}
+"""kv_cache_dtype's values other than auto (the model's dtype)."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -69,7 +71,7 @@ class ModelRunner:
                 "kv_cache_dtype='bfloat16' under a float16 model saves no bytes and loses precision; "
                 "use kv_cache_dtype='auto' (or dtype='float32')."
             )
-        self.kv_cache_dtype = torch.bfloat16 if options.kv_cache_dtype == "bfloat16" else self.dtype
+        self.kv_cache_dtype = KV_CACHE_TORCH_DTYPES.get(options.kv_cache_dtype, self.dtype)
         self.kv_caches: list[torch.Tensor] = []
         self._kv_buffer: HugePageBuffer | None = None
         """The KV cache's memory, taken before the model's config is read so that its pages are written

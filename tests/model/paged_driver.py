@@ -22,7 +22,9 @@ class PagedDriver:
         seed: int = 0,
         kernels=None,
         flash_min_query_len: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """kv_dtype: the cache's (None: the model's)."""
         cfg = model.config
         self.model = model
         self.kernels = kernels
@@ -33,7 +35,7 @@ class PagedDriver:
             BLOCK_SIZE,
             cfg.num_kv_heads,
             cfg.head_dim,
-            model.embed_tokens.weight.dtype,
+            kv_dtype or model.embed_tokens.weight.dtype,
             torch.device("cpu"),
         )
         self.free_blocks = list(np.random.default_rng(seed).permutation(num_blocks))

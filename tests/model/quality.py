@@ -38,10 +38,11 @@ def bf16_model(path: str, method: str, kernels, snap: bool = False):
     return model
 
 
-def perplexity(model, token_ids: list[int]) -> float:
+def perplexity(model, token_ids: list[int], kernels=None, kv_dtype: torch.dtype | None = None) -> float:
     """Teacher-forced 4 tokens a step, as decode at small batch runs: a quantized model uses its
-    quantized weights everywhere, the lm_head's included."""
-    driver = PagedDriver(model, [token_ids], num_blocks=160)
+    quantized weights everywhere, the lm_head's included. kernels: attention on the C++ kernels (None:
+    PyTorch's); kv_dtype: the KV cache's (None: the model's)."""
+    driver = PagedDriver(model, [token_ids], num_blocks=160, kernels=kernels, kv_dtype=kv_dtype)
     for start in range(0, len(token_ids), 4):
         driver.step({0: min(4, len(token_ids) - start)})
     logits = torch.stack(driver.logits[0][:-1])

@@ -9,7 +9,8 @@
 // threads can share (3 KV heads on 2 threads at batch 1), contexts of 64 tokens and more are split into
 // parts whose results are merged, so that no thread waits for another's second task. A sliding window
 // starts the walk at the window's first position (blocks before it may be freed); soft-capping maps each
-// score to cap * tanh(score / cap) (Gemma 2).
+// score to cap * tanh(score / cap) (Gemma 2). An fp8 e5m2 cache (a byte a value) is widened as it
+// is read: V rows to float32 by way of float16, K rows to bf16 for the pair dot products.
 //
 // rms_norm: one pass per row in float32, where PyTorch's CPU rms_norm is a chain of eight ops.
 //
@@ -154,11 +155,20 @@ template <typename T, typename KV, int FIXED_D>
 inline void score_rows(const KV* k, int64_t n, int64_t D, int64_t per_kv, const T* q, const float* query,
                        float scale, float* row, float* scores, int64_t stride) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<KV, at::BFloat16> && FIXED_D > 0 &&
-                FIXED_D % 32 == 0) {  // bf16 pairs from the cache
+  constexpr bool FP8 = std::is_same_v<KV, at::Float8_e5m2>;
+  if constexpr (std::is_same_v<T, at::BFloat16> && (std::is_same_v<KV, at::BFloat16> || FP8) && FIXED_D > 0 &&
+                FIXED_D % 32 == 0) {  // bf16 pairs from the cache (fp8 rows widened to bf16 16 keys at a time)
     constexpr int PAIRS = FIXED_D / 32;  // registers of 32 bf16 a row
+    alignas(64) at::BFloat16 widened[FP8 ? 16 * FIXED_D : 1];
     for (int64_t first = 0; first < n; first += 16, k += 16 * FIXED_D) {  // 16 keys' dot products, then their sums
       const int64_t keys = std::min<int64_t>(16, n - first);
+      const at::BFloat16* key_rows;
+      if constexpr (FP8) {
+        widen_to_bf16(k, widened, keys * FIXED_D);
+        key_rows = widened;
+      } else {
+        key_rows = k;
+      }
       for (int64_t h = 0; h < per_kv; ++h) {
         __m512bh q_pairs[PAIRS];
         for (int i = 0; i < PAIRS; ++i) q_pairs[i] = (__m512bh)_mm512_loadu_si512(q + h * FIXED_D + 32 * i);
@@ -167,7 +177,7 @@ inline void score_rows(const KV* k, int64_t n, int64_t D, int64_t per_kv, const 
           dots[t] = _mm512_setzero_ps();
           if (t >= keys) continue;  // rows past the block's end are never read
           for (int i = 0; i < PAIRS; ++i)
-            dots[t] = _mm512_dpbf16_ps(dots[t], q_pairs[i], (__m512bh)_mm512_loadu_si512(k + t * FIXED_D + 32 * i));
+            dots[t] = _mm512_dpbf16_ps(dots[t], q_pairs[i], (__m512bh)_mm512_loadu_si512(key_rows + t * FIXED_D + 32 * i));
         }
         const __m512 sums = _mm512_mul_ps(sum_each16(dots), _mm512_set1_ps(scale));
         _mm512_mask_storeu_ps(scores + h * stride + first, static_cast<__mmask16>((1u << keys) - 1), sums);
@@ -670,6 +680,8 @@ NANOSERVE_RAW_KERNELS(float)
 NANOSERVE_ATTENTION_KERNELS(at::BFloat16, at::BFloat16)
 NANOSERVE_ATTENTION_KERNELS(float, float)
 NANOSERVE_ATTENTION_KERNELS(float, at::BFloat16)
+NANOSERVE_ATTENTION_KERNELS(at::BFloat16, at::Float8_e5m2)
+NANOSERVE_ATTENTION_KERNELS(float, at::Float8_e5m2)
 #undef NANOSERVE_ATTENTION_KERNELS
 
 }  // namespace raw

@@ -17,6 +17,8 @@ inline float to_float(at::BFloat16 x) {
   return f;
 }
 inline float to_float(float x) { return x; }
+// an fp8 e5m2 byte is the high byte of the float16 of the same value (c10's own conversion, inlined)
+inline float to_float(at::Float8_e5m2 x) { return static_cast<float>(x); }
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -27,6 +29,12 @@ inline __m256 load8(const at::BFloat16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+#if defined(__F16C__)
+inline __m256 load8(const at::Float8_e5m2* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
+}
+#endif
 #endif
 
 #if defined(__AVX512F__)
@@ -36,22 +44,39 @@ inline __m512 load16f(const at::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+inline __m512 load16f(const at::Float8_e5m2* p) {
+  const __m256i halves = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(halves, 8));
+}
 #endif
 
-// The pairs of activation and KV cache dtypes the attention kernels take: both bfloat16, both float32, or
-// float32 activations over a bfloat16 cache (--kv-cache-dtype bfloat16: half the bytes per token)
+#if defined(__AVX512BF16__)
+// n values (a multiple of 16) of an fp8 e5m2 cache as bfloat16, exactly: widened to float32 by way of
+// float16, then narrowed (every e5m2 value is a bf16 value), for the bf16 pair dot products
+inline void widen_to_bf16(const at::Float8_e5m2* src, at::BFloat16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(load16f(src + i)));
+}
+#endif
+
+// The pairs of activation and KV cache dtypes the attention kernels take: both bfloat16, both float32,
+// float32 activations over a bfloat16 cache (--kv-cache-dtype bfloat16: half the bytes per token), or
+// either over an fp8 e5m2 cache (--kv-cache-dtype fp8_e5m2: a byte per value)
 inline bool attention_takes(at::ScalarType activations, at::ScalarType cache) {
   const bool same = activations == cache && (cache == at::kBFloat16 || cache == at::kFloat);
-  return same || (activations == at::kFloat && cache == at::kBFloat16);
+  const bool fp8 = cache == at::kFloat8_e5m2 && (activations == at::kBFloat16 || activations == at::kFloat);
+  return same || fp8 || (activations == at::kFloat && cache == at::kBFloat16);
 }
 
 // f(T{}, KV{}) for one of those pairs
 template <typename F>
 decltype(auto) with_attention_types(at::ScalarType activations, at::ScalarType cache, F&& f) {
   TORCH_CHECK(attention_takes(activations, cache),
-              "attention takes bfloat16 or float32 activations over a KV cache of their dtype, or float32 over "
-              "bfloat16; got ", activations, " over ", cache);
+              "attention takes bfloat16 or float32 activations over a KV cache of their dtype or of "
+              "float8_e5m2, or float32 over bfloat16; got ", activations, " over ", cache);
   if (cache == at::kFloat) return f(float{}, float{});
+  if (cache == at::kFloat8_e5m2)
+    return activations == at::kBFloat16 ? f(at::BFloat16{}, at::Float8_e5m2{}) : f(float{}, at::Float8_e5m2{});
   if (activations == at::kBFloat16) return f(at::BFloat16{}, at::BFloat16{});
   return f(float{}, at::BFloat16{});
 }

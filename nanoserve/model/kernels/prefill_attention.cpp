@@ -17,6 +17,8 @@
 // at 512 tokens and 1.9x at 2048 (Zen 5, AVX-512 pair dot products). With AMX those products run on the
 // tiles: 16 keys scored against 16 rows per tile instruction, 32 keys' values weighed per instruction and
 // column tile (4.5x faster than the pair dot products at 512 tokens on a Xeon).
+// An fp8 e5m2 cache's K and V are widened to bf16 (or float32) as each (sequence, KV head) is packed, so
+// every path above reads them as it reads a bf16 cache.
 #include "kernels.h"
 #include "vec16.h"
 
@@ -77,23 +79,34 @@ void pack_context(const T* kv, const int32_t* table, const Layout& L, int64_t D,
     packed.values.assign(chunks * KEY_CHUNK * D, 0.f);
   }
   const T* k_head = kv + kv_head * L.head_stride;
+  std::vector<at::BFloat16> widened(std::is_same_v<T, at::Float8_e5m2> ? 2 * D : 0);
   for (int64_t pos = start; pos < stop; ++pos) {  // the chunk's lanes before start stay zero, always masked
     const int64_t chunk = pos / KEY_CHUNK - packed.first_chunk, lane = pos % KEY_CHUNK;
     const T* k = k_head + (table[pos / L.block_size] * L.block_size + pos % L.block_size) * D;
     const T* v = k + L.v_offset;
     if constexpr (PAIRS) {
+      const at::BFloat16 *k_bf16, *v_bf16;  // an fp8 cache's rows widened, a bf16 cache's in place
+      if constexpr (std::is_same_v<T, at::Float8_e5m2>) {
+        widen_to_bf16(k, widened.data(), D);
+        widen_to_bf16(v, widened.data() + D, D);
+        k_bf16 = widened.data();
+        v_bf16 = widened.data() + D;
+      } else {
+        k_bf16 = k;
+        v_bf16 = v;
+      }
       if (key_rows) {
-        std::memcpy(packed.key_rows.data() + (chunk * KEY_CHUNK + lane) * D, k, D * sizeof(uint16_t));
+        std::memcpy(packed.key_rows.data() + (chunk * KEY_CHUNK + lane) * D, k_bf16, D * sizeof(uint16_t));
       } else {
         uint32_t pair;
         ivec16* keys = packed.key_pairs.data() + chunk * D / 2;
         for (int64_t i = 0; i < D / 2; ++i) {
-          std::memcpy(&pair, k + 2 * i, sizeof pair);
+          std::memcpy(&pair, k_bf16 + 2 * i, sizeof pair);
           keys[i][lane] = static_cast<int32_t>(pair);
         }
       }
       uint16_t* values = reinterpret_cast<uint16_t*>(packed.value_pairs.data() + (chunk * KEY_CHUNK / 2 + lane / 2) * D);
-      for (int64_t d = 0; d < D; ++d) std::memcpy(values + 2 * d + lane % 2, v + d, sizeof(uint16_t));
+      for (int64_t d = 0; d < D; ++d) std::memcpy(values + 2 * d + lane % 2, v_bf16 + d, sizeof(uint16_t));
     } else {
       vec16* keys = packed.keys.data() + chunk * D;
       float* values = packed.values.data() + (chunk * KEY_CHUNK + lane) * D;
@@ -647,8 +660,9 @@ void prefill_attention(const T* q, const KV* kv, const int32_t* block_table, con
   auto tile_end = [&](const Task& t) { return seq_lens[t.seq] - query_lens[t.seq] + t.first_query; };
   std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) { return tile_end(a) > tile_end(b); });
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  constexpr bool PAIRS = HAS_PAIR_DOTS && std::is_same_v<T, at::BFloat16> && std::is_same_v<KV, at::BFloat16> &&
-                         FIXED_D > 0 && FIXED_D % 16 == 0;
+  constexpr bool PAIRS = HAS_PAIR_DOTS && std::is_same_v<T, at::BFloat16> &&
+                         (std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Float8_e5m2>) && FIXED_D > 0 &&
+                         FIXED_D % 16 == 0;
   std::vector<PackedContext> contexts(num_seqs * L.num_kv_heads);
   const int threads = at::get_num_threads();
   constexpr bool LANES = PAIRS && FIXED_D % 32 == 0;  // rows in lanes: the query is transposed 32 dimensions at a time
