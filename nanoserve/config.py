@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from nanoserve import envs
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e5m2", "int8")
 RUNNERS = ("model", "null")
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 QUANTIZATIONS = ("none", "auto", "int4", "int8")
@@ -40,9 +40,11 @@ class EngineOptions:
     auto on a CPU without native bf16): half the bytes per cached token, so twice the tokens fit and
     decode attention reads half as much; tokens may differ from a float32 cache's. Under a bfloat16 model
     it is the model's own dtype; under float16 it is refused (no bytes saved, three mantissa bits lost).
-    fp8_e5m2: K and V rounded to 8-bit floats (5 exponent bits, 2 mantissa bits, no scale), under any
-    model dtype: a byte per value, so twice a bf16 cache's tokens fit and long-context decode reads half
-    the bytes; each value keeps about 2 significant bits, so tokens drift from an exact cache's sooner."""
+    int8 and fp8_e5m2, under any model dtype: a byte per value, so about twice a bf16 cache's tokens fit
+    and long-context decode reads half the bytes. int8: each token's K (and V) row of each KV head as
+    8-bit codes with a float32 scale of its own (4 bytes a row), close to bf16 in the tokens it gives.
+    fp8_e5m2: 8-bit floats (5 exponent bits, 2 mantissa bits, no scale), about 2 significant bits a value,
+    so greedy tokens part from an exact cache's much sooner."""
     max_model_len: int | None = None
     """None: the model's own limit, reduced to what the KV cache can hold."""
     max_num_seqs: int = 128

@@ -92,7 +92,7 @@ def time_transformers(model, prompts: list[list[int]], new_tokens: int) -> float
     return len(prompts) * new_tokens / elapsed
 
 
-KV_CACHE_SUFFIXES = {"kvbf16": "bfloat16", "kvfp8": "fp8_e5m2"}
+KV_CACHE_SUFFIXES = {"kvbf16": "bfloat16", "kvfp8": "fp8_e5m2", "kvint8": "int8"}
 """Engine-name suffixes and the --kv-cache-dtype each names."""
 
 
@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         default="mp,transformers",
         help="comma-separated, first is the reference for ratios: mp (engine core in a child process) or "
         "inproc (same process), each optionally followed by -int4, -int8 or -auto (--quantization), "
-        "-nokernels (--cpu-kernels off) or -unfused (--cpu-kernels unfused) and -kvbf16 or -kvfp8 "
-        "(--kv-cache-dtype bfloat16 or fp8_e5m2), e.g. mp-int4; and transformers",
+        "-nokernels (--cpu-kernels off) or -unfused (--cpu-kernels unfused) and -kvbf16, -kvfp8 or "
+        "-kvint8 (--kv-cache-dtype bfloat16, fp8_e5m2 or int8), e.g. mp-int4; and transformers",
     )
     parser.add_argument("--profile", action="store_true", help="write a torch profiler trace of a decode run")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw tok/s against batch size")

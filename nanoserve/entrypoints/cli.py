@@ -45,8 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         default=None,
         help="auto: the model's dtype; bfloat16: under a float32 model, half its KV bytes (twice the cached "
-        "tokens, faster long-context decode), K and V rounded to bf16; fp8_e5m2: a byte per value under "
-        "any model (twice bf16's tokens), K and V rounded to 8-bit floats",
+        "tokens, faster long-context decode), K and V rounded to bf16; int8 or fp8_e5m2: a byte per value "
+        "under any model (about twice bf16's tokens): int8 codes with a scale per token and head (close to "
+        "bf16), or 8-bit floats (2 mantissa bits)",
     )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=None)

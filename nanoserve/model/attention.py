@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from nanoserve.model.batch import NULL_BLOCK
 from nanoserve.model.flash_prefill import PrefillSplit, WholePrompt, attend_split
 from nanoserve.model.huge_pages import HugePageBuffer, huge_page_zeros
+from nanoserve.model.kv_rows import as_copyable, decode, encode, head_dim_of, row_width
 
 
 @dataclass
@@ -301,9 +302,9 @@ def allocate_kv_cache(
     device: torch.device,
     within: HugePageBuffer | None = None,
 ) -> list[torch.Tensor]:
-    """One zeroed cache per layer; on the CPU all in one buffer in huge pages (nanoserve.model.huge_pages),
-    `within`'s where they fit."""
-    shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
+    """One zeroed cache per layer, a row per (token, KV head) as nanoserve.model.kv_rows lays it out; on
+    the CPU all in one buffer in huge pages (nanoserve.model.huge_pages), `within`'s where they fit."""
+    shape = (2, num_kv_heads, num_blocks, block_size, row_width(head_dim, dtype))
     if device.type == "cpu":
         return huge_page_zeros(num_layers, shape, dtype, within)[0]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -320,19 +321,18 @@ def copy_kv_blocks(kv_caches: list[torch.Tensor], copies: list[tuple[int, int]])
 def kv_cache_bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+    return num_layers * 2 * block_size * num_kv_heads * row_width(head_dim, dtype) * dtype.itemsize
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata) -> None:
-    """k, v: [T, num_kv_heads, head_dim] into their slots of the cache, rounded to its dtype. (With the C++
-    kernels, the model writes them while applying rotary embeddings instead.)"""
-    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
-    slots = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_dim)
-    k, v = k.transpose(0, 1).to(kv_cache.dtype), v.transpose(0, 1).to(kv_cache.dtype)
-    if kv_cache.dtype.is_floating_point and kv_cache.dtype.itemsize == 1:  # fp8: no index_copy_ on the CPU
-        slots, k, v = slots.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
-    slots[0].index_copy_(1, attn.slot_mapping, k)
-    slots[1].index_copy_(1, attn.slot_mapping, v)
+    """k, v: [T, num_kv_heads, head_dim] into their slots of the cache, as rows of its dtype
+    (nanoserve.model.kv_rows). (With the C++ kernels, the model writes them while applying rotary
+    embeddings instead.)"""
+    _, num_kv_heads, num_blocks, block_size, row = kv_cache.shape
+    slots = as_copyable(kv_cache.view(2, num_kv_heads, num_blocks * block_size, row))
+    for kv, values in enumerate((k, v)):
+        rows = as_copyable(encode(values.transpose(0, 1), kv_cache.dtype))
+        slots[kv].index_copy_(1, attn.slot_mapping, rows)
 
 
 def paged_attention(
@@ -370,6 +370,7 @@ def _attend_group(
     softcap: float | None,
 ) -> torch.Tensor:
     num_heads, head_dim = q.shape[1:]
+    assert head_dim_of(kv_cache) == head_dim, "the cache's rows hold the query's head size"
     if group.is_decode and kernels is not None:
         if group.token_index is not None:
             q = q.index_select(0, group.token_index)
@@ -395,7 +396,8 @@ def _attend_group(
     per_kv = num_heads // num_kv_heads
     num_seqs, max_q, ctx = group.num_seqs, group.max_query_len, group.context_len
     # [2, num_kv_heads, num_seqs, ctx, head_dim], contiguous, in q's dtype: the one copy of the context per layer
-    kv = blocks.index_select(2, group.block_index).view(2, num_kv_heads, num_seqs, ctx, head_dim).to(q.dtype)
+    gathered = blocks.index_select(2, group.block_index).view(2, num_kv_heads, num_seqs, ctx, -1)
+    kv = decode(gathered, q.dtype)
     if group.token_index is not None:
         q = q.index_select(0, group.token_index)
     # [num_seqs, max_q, num_kv_heads, per_kv, head_dim]

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model.kernels import cpu_identity, library_name
+from nanoserve.model.kv_rows import decode, encode
 from nanoserve.model.matmul_choice import cache_file, dtypes_key, read_cache, write_cache
 
 logger = logging.getLogger(__name__)
@@ -74,16 +75,13 @@ def attend_whole_prompts(
     q: torch.Tensor, kv_cache: torch.Tensor, prompts: list[WholePrompt], scale: float
 ) -> list[torch.Tensor]:
     """q: [T, H, D] with each prompt's K/V already in the cache -> [length, H * D] per prompt."""
-    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    _, num_kv_heads, num_blocks, block_size, row = kv_cache.shape
     outputs = []
     for prompt in prompts:
         context = prompt.cached + prompt.length
         # [2, Hkv, context, D]: the prompt's blocks gathered, its padding cut
-        kv = (
-            kv_cache.index_select(2, prompt.blocks)
-            .view(2, num_kv_heads, -1, head_dim)[:, :, :context]
-            .to(q.dtype)
-        )
+        gathered = kv_cache.index_select(2, prompt.blocks).view(2, num_kv_heads, -1, row)[:, :, :context]
+        kv = decode(gathered, q.dtype)
         query = q[prompt.start : prompt.start + prompt.length]
         if prompt.cached:
             query = torch.cat([query.new_zeros(prompt.cached, *query.shape[1:]), query])
@@ -137,7 +135,9 @@ def time_ratio(
     blocks = -(-length // block_size)
     generator = torch.Generator().manual_seed(0)  # the engine's own random state stays as it was
     q = torch.randn(length, num_heads, head_dim, generator=generator).to(dtype)
-    kv_cache = torch.randn(2, num_kv_heads, blocks, block_size, head_dim, generator=generator).to(kv_dtype)
+    kv_cache = encode(
+        torch.randn(2, num_kv_heads, blocks, block_size, head_dim, generator=generator), kv_dtype
+    )
     prompts = [WholePrompt(0, length, torch.arange(blocks))]
     table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
     starts, lens = torch.tensor([0]), torch.tensor([length])

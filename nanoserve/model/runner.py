@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 PROMPT_LOGPROBS_ROWS = 256
 """Prompt positions turned into full-vocabulary logprobs at a time (256 x 49152 floats = 48 MiB)."""
-KV_CACHE_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 """kv_cache_dtype's values other than auto (the model's dtype)."""
 
 

@@ -38,6 +38,7 @@ def test_engine_names_spell_their_options():
     }
     assert throughput.nanoserve_options("mp-nokernels")["kv_cache_dtype"] == "auto"
     assert throughput.nanoserve_options("mp-int4-kvfp8")["kv_cache_dtype"] == "fp8_e5m2"
+    assert throughput.nanoserve_options("inproc-kvint8")["kv_cache_dtype"] == "int8"
     for name in ("mp-kvfp16", "gpu", "mp-int4-int8", "mp-nokernels-unfused", "mp-kvbf16-kvfp8"):
         with pytest.raises(ValueError, match="unknown engine"):
             throughput.nanoserve_options(name)

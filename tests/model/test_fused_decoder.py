@@ -221,6 +221,8 @@ def _check_regions(engine: EngineCore, prompts: list[list[int]]) -> RegionChecki
         ("float32", "none", "bfloat16"),
         ("bfloat16", "int4", "fp8_e5m2"),
         ("float32", "none", "fp8_e5m2"),
+        ("bfloat16", "int4", "int8"),
+        ("float32", "none", "int8"),
     ],
 )
 def test_one_region_step_gives_the_kernel_after_kernel_bits(fused_dir, dtype, quantization, kv_cache_dtype):

@@ -10,7 +10,8 @@
 // parts whose results are merged, so that no thread waits for another's second task. A sliding window
 // starts the walk at the window's first position (blocks before it may be freed); soft-capping maps each
 // score to cap * tanh(score / cap) (Gemma 2). An fp8 e5m2 cache (a byte a value) is widened as it
-// is read: V rows to float32 by way of float16, K rows to bf16 for the pair dot products.
+// is read: V rows to float32 by way of float16, K rows to bf16 for the pair dot products. An int8 cache's
+// rows (codes and a scale) are dequantized a block at a time into what the bf16 or float32 paths read.
 //
 // rms_norm: one pass per row in float32, where PyTorch's CPU rms_norm is a chain of eight ops.
 //
@@ -217,7 +218,13 @@ void decode_attention_for_head_dim(const T* q, const KV* kv, const int32_t* bloc
   // a head size known at compile time lets the compiler unroll and vectorize every row loop
   const int64_t D = FIXED_D > 0 ? FIXED_D : shape.head_dim;
   const int64_t per_kv = num_heads / num_kv_heads;
-  const int64_t head_stride = num_blocks * block_size * D;
+  // an int8 cache's rows (codes and a scale) are dequantized a block at a time into Rows, which the scores
+  // and the weighted sums read as they read a bf16 (or float32) cache
+  constexpr bool INT8 = std::is_same_v<KV, int8_t>;
+  using Dequantized = std::conditional_t<std::is_same_v<T, at::BFloat16>, at::BFloat16, float>;
+  using Rows = std::conditional_t<INT8, Dequantized, KV>;
+  const int64_t cached_row = cache_row<KV>(D);
+  const int64_t head_stride = num_blocks * block_size * cached_row;
   const int64_t v_offset = num_kv_heads * head_stride;  // kv[1] - kv[0]
   auto first_position = [&](int64_t seq) { return first_attended(seq_lens[seq], window); };
   const int64_t tasks = split.tasks, parts = split.parts, part_tokens = split.part_tokens;
@@ -240,7 +247,7 @@ void decode_attention_for_head_dim(const T* q, const KV* kv, const int32_t* bloc
     // 32 sequences over 160 cached tokens took 5.5-5.7 ms a step (30 layers) where whole blocks took 7.5-7.8
     // into L1 and 6.8 into L2, and pieces into L1 7.6. Inlined by force: GCC counts a prefetch as no effect,
     // and would drop a call to a function that does nothing else.
-    const int64_t block_bytes = block_size * D * int64_t(sizeof(KV));
+    const int64_t block_bytes = block_size * cached_row * int64_t(sizeof(KV));
     const int64_t piece_bytes = (block_bytes / PREFETCH_PIECES + 63) / 64 * 64;
     int64_t ahead_item = begin, ahead_block = begin < end ? item_start(begin) / block_size : 0, ahead_byte = 0;
     int64_t blocks_asked = 0, blocks_read = 0;  // counted along this thread's items
@@ -251,7 +258,8 @@ void decode_attention_for_head_dim(const T* q, const KV* kv, const int32_t* bloc
           continue;
         }
         const int64_t task = ahead_item / parts, seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-        const int64_t offset = kv_head * head_stride + block_table[seq * max_blocks + ahead_block] * block_size * D;
+        const int64_t offset =
+            kv_head * head_stride + block_table[seq * max_blocks + ahead_block] * block_size * cached_row;
         const char* k = reinterpret_cast<const char*>(kv + offset);
         const char* v = reinterpret_cast<const char*>(kv + offset + v_offset);
         const int64_t piece_end = std::min(block_bytes, ahead_byte + piece_bytes);
@@ -272,6 +280,16 @@ void decode_attention_for_head_dim(const T* q, const KV* kv, const int32_t* bloc
     // scores: each query head's for a chunk of positions, with room for 16 lanes past its end
     constexpr int64_t stride = CHUNK_TOKENS + 16;
     std::vector<float> query(per_kv * D), scores(per_kv * stride), row(D), rows(block_size * D);
+    std::vector<Rows> dequantized(INT8 ? block_size * D : 0);
+    // the n cached rows from first, as the scores and sums read them: in place, or an int8 cache's dequantized
+    auto block_rows = [&](const KV* first, int64_t n) -> const Rows* {
+      if constexpr (INT8) {
+        for (int64_t t = 0; t < n; ++t) dequantize_int8_row(first + t * cached_row, D, dequantized.data() + t * D);
+        return dequantized.data();
+      } else {
+        return first;
+      }
+    };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t task = item / parts, seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t start = item_start(item), stop = item_stop(item);
@@ -301,8 +319,8 @@ void decode_attention_for_head_dim(const T* q, const KV* kv, const int32_t* bloc
         for_each_run(chunk_start, chunk_stop, [&](int64_t slot, int64_t offset, int64_t n) {
           ++blocks_read;
           prefetch_piece();
-          score_rows<T, KV, FIXED_D>(k_head + slot * D, n, D, per_kv, q_seq, query.data(), scale, row.data(),
-                                 scores.data() + offset, stride);
+          score_rows<T, Rows, FIXED_D>(block_rows(k_head + slot * cached_row, n), n, D, per_kv, q_seq, query.data(),
+                                       scale, row.data(), scores.data() + offset, stride);
         });
         for (int64_t h = 0; h < per_kv; ++h) {
           float* s = scores.data() + h * stride;
@@ -323,23 +341,23 @@ void decode_attention_for_head_dim(const T* q, const KV* kv, const int32_t* bloc
         }
         for_each_run(chunk_start, chunk_stop, [&](int64_t slot, int64_t offset, int64_t n) {
           prefetch_piece();
-          const KV* v = v_head + slot * D;
+          const Rows* v = block_rows(v_head + slot * cached_row, n);
 #if defined(__AVX512F__)
           if constexpr (FIXED_D > 0 && FIXED_D % 16 == 0) {
             for (int64_t h = 0; h < per_kv; h += 4) {  // up to 4 heads' sums in registers at once
               const float* p = scores.data() + h * stride + offset;
               switch (std::min<int64_t>(4, per_kv - h)) {
-                case 1: add_weighted_heads_avx512<KV, FIXED_D, 1>(p, stride, v, n, acc + h * D); break;
-                case 2: add_weighted_heads_avx512<KV, FIXED_D, 2>(p, stride, v, n, acc + h * D); break;
-                case 3: add_weighted_heads_avx512<KV, FIXED_D, 3>(p, stride, v, n, acc + h * D); break;
-                default: add_weighted_heads_avx512<KV, FIXED_D, 4>(p, stride, v, n, acc + h * D);
+                case 1: add_weighted_heads_avx512<Rows, FIXED_D, 1>(p, stride, v, n, acc + h * D); break;
+                case 2: add_weighted_heads_avx512<Rows, FIXED_D, 2>(p, stride, v, n, acc + h * D); break;
+                case 3: add_weighted_heads_avx512<Rows, FIXED_D, 3>(p, stride, v, n, acc + h * D); break;
+                default: add_weighted_heads_avx512<Rows, FIXED_D, 4>(p, stride, v, n, acc + h * D);
               }
             }
             return;
           }
 #endif
           const float* v_rows = rows.data();
-          if constexpr (std::is_same_v<KV, float>)
+          if constexpr (std::is_same_v<Rows, float>)
             v_rows = v;  // read in place
           else
             for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(v[i]);
@@ -406,6 +424,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   with_attention_types(q.scalar_type(), kv_cache.scalar_type(), [&](auto t, auto kv) {
     using T = decltype(t);
     using KV = decltype(kv);
+    TORCH_CHECK(kv_cache.size(4) == cache_row<KV>(head_dim), "KV cache rows of ", kv_cache.size(4),
+                " elements for a head size of ", head_dim);
     raw::decode_attention(q.data_ptr<T>(), kv_cache.data_ptr<KV>(), block_table.data_ptr<int32_t>(),
                           lens.data_ptr<int64_t>(), shape, scale, window, softcap, split, scratch.data(),
                           out.data_ptr<T>());
@@ -517,7 +537,10 @@ template <typename T, typename KV>
 void rope_rows(const T* qkv, const T* cos_sin, T* q_out, KV* cache, const int64_t* slots, int64_t num_tokens,
                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head) {
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
+  const int64_t cached_row = cache_row<KV>(head_dim);
   split_work(0, num_tokens, raw::ROPE_GRAIN_TOKENS, [&](int64_t begin, int64_t end) {
+    std::vector<T> rotated(std::is_same_v<KV, int8_t> ? head_dim : 0);
+    std::vector<float> values(rotated.size());
     for (int64_t t = begin; t < end; ++t) {
       const T* cos = cos_sin + t * 2 * head_dim;  // [cos, cos]
       const T* sin = cos + head_dim;              // [-sin, sin]
@@ -529,8 +552,13 @@ void rope_rows(const T* qkv, const T* cos_sin, T* q_out, KV* cache, const int64_
           continue;
         }
         const int64_t kv = h < num_heads + num_kv_heads ? 0 : 1, kv_head = (h - num_heads) % num_kv_heads;
-        KV* dst = cache + ((kv * num_kv_heads + kv_head) * slots_per_head + slots[t]) * head_dim;
-        if (kv == 0)
+        KV* dst = cache + ((kv * num_kv_heads + kv_head) * slots_per_head + slots[t]) * cached_row;
+        if constexpr (std::is_same_v<KV, int8_t>) {  // quantized from the values a T cache would hold
+          if (kv == 0) rotate_row(x, cos, sin, rotated.data(), head_dim);
+          const T* source = kv == 0 ? rotated.data() : x;
+          for (int64_t i = 0; i < head_dim; ++i) values[i] = to_float(source[i]);
+          quantize_int8_row(values.data(), head_dim, dst);
+        } else if (kv == 0)
           rotate_row(x, cos, sin, dst, head_dim);
         else if constexpr (std::is_same_v<T, KV>)
           std::memcpy(dst, x, head_dim * sizeof(T));
@@ -567,13 +595,15 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos_sin, torch::Ten
   TORCH_CHECK(qkv.is_contiguous() && cos_sin.is_contiguous() && kv_cache.is_contiguous());
   TORCH_CHECK(cos_sin.scalar_type() == qkv.scalar_type());
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous());
-  const int64_t num_tokens = qkv.size(0), head_dim = kv_cache.size(4);
+  const int64_t num_tokens = qkv.size(0), head_dim = qkv.size(1) / (num_heads + 2 * num_kv_heads);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim && head_dim % 2 == 0);
   auto q = torch::empty({num_tokens, num_heads, head_dim}, qkv.options());
   const int64_t slots_per_head = kv_cache.size(2) * kv_cache.size(3);
   with_attention_types(qkv.scalar_type(), kv_cache.scalar_type(), [&](auto t, auto kv) {
     using T = decltype(t);
     using KV = decltype(kv);
+    TORCH_CHECK(kv_cache.size(4) == cache_row<KV>(head_dim), "KV cache rows of ", kv_cache.size(4),
+                " elements for a head size of ", head_dim);
     rope_rows(qkv.data_ptr<T>(), cos_sin.data_ptr<T>(), q.data_ptr<T>(), kv_cache.data_ptr<KV>(),
               slot_mapping.data_ptr<int64_t>(), num_tokens, num_heads, num_kv_heads, head_dim, slots_per_head);
   });
@@ -682,6 +712,8 @@ NANOSERVE_ATTENTION_KERNELS(float, float)
 NANOSERVE_ATTENTION_KERNELS(float, at::BFloat16)
 NANOSERVE_ATTENTION_KERNELS(at::BFloat16, at::Float8_e5m2)
 NANOSERVE_ATTENTION_KERNELS(float, at::Float8_e5m2)
+NANOSERVE_ATTENTION_KERNELS(at::BFloat16, int8_t)
+NANOSERVE_ATTENTION_KERNELS(float, int8_t)
 #undef NANOSERVE_ATTENTION_KERNELS
 
 }  // namespace raw

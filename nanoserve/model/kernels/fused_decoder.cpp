@@ -306,8 +306,10 @@ class FusedDecoder {
     if (!attention_takes(dtype, cache_dtype)) return false;
     for (const at::Tensor& cache : kv_caches)  // the region reads every layer's cache with the first one's sizes
       if (cache.scalar_type() != cache_dtype || !cache.is_contiguous() || cache.sizes() != kv_caches[0].sizes() ||
-          cache.size(1) != num_kv_heads_ || cache.size(4) != head_dim_)
+          cache.size(1) != num_kv_heads_)
         return false;
+    const int64_t row = kv_caches[0].size(4);
+    if (row != head_dim_ && !(cache_dtype == at::kChar && row == cache_row<int8_t>(head_dim_))) return false;
     return x.scalar_type() == dtype && x.is_contiguous() && cos_sin.scalar_type() == dtype && cos_sin.is_contiguous() &&
            slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
            block_table.scalar_type() == at::kInt && block_table.is_contiguous() &&
@@ -398,10 +400,10 @@ class FusedDecoder {
   template <typename T>
   void prefetch_new_kv_rows(const T* cache, const int64_t* slots, int64_t rows, int64_t slots_per_head) const {
     if (rows > raw::ROPE_GRAIN_TOKENS || omp_get_thread_num() != 0) return;
-    const int64_t row_bytes = head_dim_ * sizeof(T);
+    const int64_t cached_row = cache_row<T>(head_dim_), row_bytes = cached_row * sizeof(T);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t head = 0; head < 2 * num_kv_heads_; ++head) {  // K heads, then V heads
-        const char* row = reinterpret_cast<const char*>(cache + (head * slots_per_head + slots[r]) * head_dim_);
+        const char* row = reinterpret_cast<const char*>(cache + (head * slots_per_head + slots[r]) * cached_row);
         for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(row + byte, 1);
       }
   }

@@ -5,9 +5,11 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 // bf16 is the high half of a float32
 inline float to_float(at::BFloat16 x) {
@@ -59,24 +61,85 @@ inline void widen_to_bf16(const at::Float8_e5m2* src, at::BFloat16* dst, int64_t
 }
 #endif
 
+// An int8 cache row (--kv-cache-dtype int8): a head's D codes, then the row's float32 scale, the row's
+// largest magnitude / 127; a value is code * scale. nanoserve/model/kv_rows.py writes and reads the same
+// rows in PyTorch, with the same arithmetic, so that both paths hold the same codes.
+constexpr int64_t INT8_SCALE_BYTES = 4;
+constexpr float INT8_STEP = 1.f / 127.f;
+// the elements of a cached row of KV's type for a head of head_dim values
+template <typename KV>
+constexpr int64_t cache_row(int64_t head_dim) {
+  return head_dim + (std::is_same_v<KV, int8_t> ? INT8_SCALE_BYTES : 0);
+}
+
+// x [D] (values already rounded to the activations' dtype) -> an int8 row
+inline void quantize_int8_row(const float* x, int64_t D, int8_t* row) {
+  float largest = 0.f;
+  for (int64_t d = 0; d < D; ++d) largest = std::max(largest, std::fabs(x[d]));
+  const float scale = largest * INT8_STEP, inverse = scale > 0.f ? 1.f / scale : 0.f;
+  for (int64_t d = 0; d < D; ++d) row[d] = static_cast<int8_t>(std::nearbyint(x[d] * inverse));
+  std::memcpy(row + D, &scale, sizeof scale);
+}
+
+// an int8 row -> its D values, code * scale in float32, rounded to W (float32 or bf16, to nearest even)
+template <typename W>
+inline void dequantize_int8_row(const int8_t* row, int64_t D, W* out) {
+  float scale;
+  std::memcpy(&scale, row + D, sizeof scale);
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= D; d += 16) {
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
+    const __m512 values = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(scale));
+    if constexpr (std::is_same_v<W, float>) {
+      _mm512_storeu_ps(out + d, values);
+    } else {
+#if defined(__AVX512BF16__)
+      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(values);
+#else
+      const __m512i b = _mm512_castps_si512(values);
+      const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(b, 16),
+                                                                                        _mm512_set1_epi32(1)));
+      const __m256i rounded = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(b, bias), 16));
+#endif
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), rounded);
+    }
+  }
+#endif
+  for (; d < D; ++d) {
+    const float value = static_cast<float>(row[d]) * scale;
+    if constexpr (std::is_same_v<W, float>) {
+      out[d] = value;
+    } else {  // to nearest even, as torch rounds (finite values only)
+      uint32_t b;
+      std::memcpy(&b, &value, sizeof b);
+      const uint16_t bits = static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+      std::memcpy(out + d, &bits, sizeof bits);
+    }
+  }
+}
+
 // The pairs of activation and KV cache dtypes the attention kernels take: both bfloat16, both float32,
 // float32 activations over a bfloat16 cache (--kv-cache-dtype bfloat16: half the bytes per token), or
-// either over an fp8 e5m2 cache (--kv-cache-dtype fp8_e5m2: a byte per value)
+// either over an fp8 e5m2 or int8 cache (--kv-cache-dtype fp8_e5m2 or int8: a byte per value)
 inline bool attention_takes(at::ScalarType activations, at::ScalarType cache) {
   const bool same = activations == cache && (cache == at::kBFloat16 || cache == at::kFloat);
-  const bool fp8 = cache == at::kFloat8_e5m2 && (activations == at::kBFloat16 || activations == at::kFloat);
-  return same || fp8 || (activations == at::kFloat && cache == at::kBFloat16);
+  const bool byte = (cache == at::kFloat8_e5m2 || cache == at::kChar) &&
+                    (activations == at::kBFloat16 || activations == at::kFloat);
+  return same || byte || (activations == at::kFloat && cache == at::kBFloat16);
 }
 
 // f(T{}, KV{}) for one of those pairs
 template <typename F>
 decltype(auto) with_attention_types(at::ScalarType activations, at::ScalarType cache, F&& f) {
   TORCH_CHECK(attention_takes(activations, cache),
-              "attention takes bfloat16 or float32 activations over a KV cache of their dtype or of "
-              "float8_e5m2, or float32 over bfloat16; got ", activations, " over ", cache);
+              "attention takes bfloat16 or float32 activations over a KV cache of their dtype, of float8_e5m2 "
+              "or of int8, or float32 over bfloat16; got ", activations, " over ", cache);
   if (cache == at::kFloat) return f(float{}, float{});
   if (cache == at::kFloat8_e5m2)
     return activations == at::kBFloat16 ? f(at::BFloat16{}, at::Float8_e5m2{}) : f(float{}, at::Float8_e5m2{});
+  if (cache == at::kChar)
+    return activations == at::kBFloat16 ? f(at::BFloat16{}, int8_t{}) : f(float{}, int8_t{});
   if (activations == at::kBFloat16) return f(at::BFloat16{}, at::BFloat16{});
   return f(float{}, at::BFloat16{});
 }

@@ -17,8 +17,8 @@
 // at 512 tokens and 1.9x at 2048 (Zen 5, AVX-512 pair dot products). With AMX those products run on the
 // tiles: 16 keys scored against 16 rows per tile instruction, 32 keys' values weighed per instruction and
 // column tile (4.5x faster than the pair dot products at 512 tokens on a Xeon).
-// An fp8 e5m2 cache's K and V are widened to bf16 (or float32) as each (sequence, KV head) is packed, so
-// every path above reads them as it reads a bf16 cache.
+// An fp8 e5m2 cache's K and V are widened to bf16 (or float32), an int8 cache's dequantized, as each
+// (sequence, KV head) is packed, so every path above reads them as it reads a bf16 cache.
 #include "kernels.h"
 #include "vec16.h"
 
@@ -46,6 +46,7 @@ constexpr int64_t ROW_GROUP = 8 / PARTS;      // rows scored together: 8 indepen
 
 struct Layout {
   int64_t num_heads, num_kv_heads, per_kv, head_stride, v_offset, block_size, max_blocks;
+  int64_t cached_row;  // elements a cached row takes: the head size, and an int8 row's scale
 };
 
 // A sequence's keys and values for one KV head, a chunk of KEY_CHUNK positions at a time, a key per lane:
@@ -63,7 +64,9 @@ struct PackedContext {
   std::vector<uint32_t> value_pairs;
 };
 
-template <bool PAIRS, typename T>
+// T: the cache's type; an int8 cache's values are dequantized to the activations' type A, as PyTorch's
+// attention reads them
+template <bool PAIRS, typename A, typename T>
 void pack_context(const T* kv, const int32_t* table, const Layout& L, int64_t D, int64_t kv_head, int64_t start,
                   int64_t stop, bool key_rows, PackedContext& packed) {
   packed.first_chunk = start / KEY_CHUNK;
@@ -79,16 +82,26 @@ void pack_context(const T* kv, const int32_t* table, const Layout& L, int64_t D,
     packed.values.assign(chunks * KEY_CHUNK * D, 0.f);
   }
   const T* k_head = kv + kv_head * L.head_stride;
-  std::vector<at::BFloat16> widened(std::is_same_v<T, at::Float8_e5m2> ? 2 * D : 0);
+  constexpr bool INT8 = std::is_same_v<T, int8_t>, FP8 = std::is_same_v<T, at::Float8_e5m2>;
+  // a row's K and V as the packing reads them, where the cache's own rows will not do
+  using Wide = std::conditional_t<PAIRS || std::is_same_v<A, at::BFloat16>, at::BFloat16, float>;
+  std::vector<Wide> widened(INT8 || (PAIRS && FP8) ? 2 * D : 0);
   for (int64_t pos = start; pos < stop; ++pos) {  // the chunk's lanes before start stay zero, always masked
     const int64_t chunk = pos / KEY_CHUNK - packed.first_chunk, lane = pos % KEY_CHUNK;
-    const T* k = k_head + (table[pos / L.block_size] * L.block_size + pos % L.block_size) * D;
+    const T* k = k_head + (table[pos / L.block_size] * L.block_size + pos % L.block_size) * L.cached_row;
     const T* v = k + L.v_offset;
+    if constexpr (INT8) {
+      dequantize_int8_row(k, D, widened.data());
+      dequantize_int8_row(v, D, widened.data() + D);
+    }
     if constexpr (PAIRS) {
-      const at::BFloat16 *k_bf16, *v_bf16;  // an fp8 cache's rows widened, a bf16 cache's in place
-      if constexpr (std::is_same_v<T, at::Float8_e5m2>) {
+      // an fp8 cache's rows widened, an int8 one's dequantized, a bf16 one's in place
+      const at::BFloat16 *k_bf16, *v_bf16;
+      if constexpr (FP8) {
         widen_to_bf16(k, widened.data(), D);
         widen_to_bf16(v, widened.data() + D, D);
+      }
+      if constexpr (INT8 || FP8) {
         k_bf16 = widened.data();
         v_bf16 = widened.data() + D;
       } else {
@@ -110,9 +123,16 @@ void pack_context(const T* kv, const int32_t* table, const Layout& L, int64_t D,
     } else {
       vec16* keys = packed.keys.data() + chunk * D;
       float* values = packed.values.data() + (chunk * KEY_CHUNK + lane) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        keys[d][lane] = to_float(k[d]);
-        values[d] = to_float(v[d]);
+      if constexpr (INT8) {
+        for (int64_t d = 0; d < D; ++d) {
+          keys[d][lane] = to_float(widened[d]);
+          values[d] = to_float(widened[D + d]);
+        }
+      } else {
+        for (int64_t d = 0; d < D; ++d) {
+          keys[d][lane] = to_float(k[d]);
+          values[d] = to_float(v[d]);
+        }
       }
     }
   }
@@ -661,8 +681,9 @@ void prefill_attention(const T* q, const KV* kv, const int32_t* block_table, con
   std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) { return tile_end(a) > tile_end(b); });
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   constexpr bool PAIRS = HAS_PAIR_DOTS && std::is_same_v<T, at::BFloat16> &&
-                         (std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Float8_e5m2>) && FIXED_D > 0 &&
-                         FIXED_D % 16 == 0;
+                         (std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Float8_e5m2> ||
+                          std::is_same_v<KV, int8_t>) &&
+                         FIXED_D > 0 && FIXED_D % 16 == 0;
   std::vector<PackedContext> contexts(num_seqs * L.num_kv_heads);
   const int threads = at::get_num_threads();
   constexpr bool LANES = PAIRS && FIXED_D % 32 == 0;  // rows in lanes: the query is transposed 32 dimensions at a time
@@ -675,8 +696,8 @@ void prefill_attention(const T* q, const KV* kv, const int32_t* block_table, con
     for (int64_t item = 0; item < num_seqs * L.num_kv_heads; ++item) {
       const int64_t seq = item / L.num_kv_heads, context_start = seq_lens[seq] - query_lens[seq];
       const int64_t start = window > 0 ? std::max<int64_t>(0, context_start - window + 1) : 0;
-      pack_context<PAIRS>(kv, block_table + seq * L.max_blocks, L, head_dim, item % L.num_kv_heads, start, seq_lens[seq],
-                          LANES, contexts[item]);
+      pack_context<PAIRS, T>(kv, block_table + seq * L.max_blocks, L, head_dim, item % L.num_kv_heads, start,
+                             seq_lens[seq], LANES, contexts[item]);
     }
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (tiles) configure_tiles();
@@ -751,18 +772,22 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, t
   const int64_t num_seqs = starts.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && block_table.size(0) == num_seqs);
+  const int64_t cached_row = kv_cache.size(4);
   const Layout layout{num_heads,
                       num_kv_heads,
                       num_heads / num_kv_heads,
-                      num_blocks * block_size * head_dim,
-                      num_kv_heads * num_blocks * block_size * head_dim,
+                      num_blocks * block_size * cached_row,
+                      num_kv_heads * num_blocks * block_size * cached_row,
                       block_size,
-                      block_table.size(1)};
+                      block_table.size(1),
+                      cached_row};
   const int64_t rows = q_lens.sum().item<int64_t>();
   auto out = torch::empty({rows, num_heads * head_dim}, q.options());
   with_attention_types(q.scalar_type(), kv_cache.scalar_type(), [&](auto t, auto kv) {
     using T = decltype(t);
     using KV = decltype(kv);
+    TORCH_CHECK(cached_row == cache_row<KV>(head_dim), "KV cache rows of ", cached_row, " elements for a head size of ",
+                head_dim);
     prefill_attention_any(head_dim, q.data_ptr<T>(), kv_cache.data_ptr<KV>(), block_table.data_ptr<int32_t>(),
                           starts.data_ptr<int64_t>(), q_lens.data_ptr<int64_t>(), s_lens.data_ptr<int64_t>(),
                           out.data_ptr<T>(), num_seqs, layout, static_cast<float>(scale), window,
