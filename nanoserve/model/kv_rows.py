@@ -2,7 +2,8 @@
 
 Float rows (float32, bfloat16, float16, float8_e5m2) are the head's values rounded to the dtype. An int8
 row is the head's values as codes, then the row's float32 scale in its last 4 bytes: the row's largest
-magnitude / 127, so a value is code * scale, and one token's outlier costs no other token precision. The
+magnitude times float32(1/127), so a value is code * scale (a row too small for 1 / scale to be finite
+keeps codes of 0), and one token's outlier costs no other token precision. The
 C++ kernels (nanoserve/model/kernels/kernels.h) write and read the same rows with the same float32
 arithmetic, so both paths hold the same codes.
 """
@@ -31,7 +32,7 @@ def encode(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return values.to(dtype)
     values = values.float()
     scale = values.abs().amax(-1, keepdim=True) * INT8_STEP
-    inverse = torch.where(scale > 0, 1 / scale, 0.0)
+    inverse = torch.where(scale >= torch.finfo(torch.float32).tiny, 1 / scale, 0.0)
     codes = torch.round(values * inverse).to(torch.int8)
     return torch.cat([codes, scale.view(torch.int8)], dim=-1)
 

@@ -191,9 +191,12 @@ class RegionCheckingDecoder:
         threads = torch.get_num_threads()
         if self.region_steps % 2 and threads <= MAX_BALANCED_THREADS:
             self.fused.thread_speeds = [UNEVEN_SPEEDS[t % 2] for t in range(threads)]
+        before = self.fused.region_steps
         out = self.fused.forward(x, *args)
         assert torch.equal(out, reference), "the one-region step differs from kernel after kernel"
-        if self.fused.one_region_at(x.shape[0]):
+        ran = self.fused.region_steps == before + 1
+        assert ran == self.fused.one_region_at(x.shape[0]), "the step's inputs kept it out of the region"
+        if ran:
             self.region_steps += 1
             self.batch_sizes.add(x.shape[0])
         return out

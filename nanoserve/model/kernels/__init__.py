@@ -107,7 +107,8 @@ def cpu_kernels() -> ModuleType | None:
     `paged_prefill_attention(q [T, H, D], kv_cache, block_table, query_starts, query_lens, seq_lens, scale,
     window, softcap) -> [sum(query_lens), H * D]`, `rope_write_kv(qkv, cos_sin,
     kv_cache, slot_mapping, H, Hkv) -> q`, `rms_norm(x [T, hidden], weight, eps)` and `silu_and_mul(x [T, 2 I])`
-    / `gelu_tanh_and_mul(x [T, 2 I]) -> [T, I]`, bfloat16 or float32,
+    / `gelu_tanh_and_mul(x [T, 2 I]) -> [T, I]`, bfloat16 or float32 (the KV cache also float8_e5m2 or
+    int8, its rows laid out as nanoserve.model.kv_rows says),
     `dense_matmul(x, weight, bias)` (float32 x @ weight.T + bias; see nanoserve.model.layers.linear)
     and `quant_matmul(x, codes, scales, bits)` where `quant_matmul_supported()` (see
     nanoserve.model.quant); None when it cannot be built here."""

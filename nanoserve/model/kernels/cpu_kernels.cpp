@@ -407,7 +407,7 @@ AttentionSplit attention_split(const int64_t* seq_lens, int64_t num_seqs, int64_
   return {tasks, parts, (longest + parts - 1) / parts};
 }
 
-// q: [S, H, D]; kv_cache: [2, Hkv, num_blocks, block_size, D]; block_table: int32 [S, max_blocks];
+// q: [S, H, D]; kv_cache: [2, Hkv, num_blocks, block_size, row]; block_table: int32 [S, max_blocks];
 // seq_lens: int64 [S] (context including the new token, already written to the cache); window: the last
 // positions attended to (0: all); softcap: cap of cap * tanh(score / cap) (0: none) -> [S, H * D].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
@@ -523,9 +523,11 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 
 namespace {
 
-// x rotated by cos and sin into dst, rounded to dst's dtype (a bf16 cache's K rows from float32 ones)
+// x rotated by cos and sin into dst, rounded to dst's dtype (a bf16 cache's K rows from float32 ones).
+// noipa: one copy of the code wherever it is called from, so that a byte cache's K rows are quantized from
+// the very values a cache of T would hold (inlined, each caller may fuse the products its own way)
 template <typename T, typename OUT>
-inline void rotate_row(const T* x, const T* cos, const T* sin, OUT* dst, int64_t head_dim) {
+__attribute__((noipa)) void rotate_row(const T* x, const T* cos, const T* sin, OUT* dst, int64_t head_dim) {
   const int64_t half = head_dim / 2;
   for (int64_t i = 0; i < half; ++i)  // two loops without a select: both vectorize
     dst[i] = static_cast<OUT>(to_float(x[i]) * to_float(cos[i]) + to_float(x[i + half]) * to_float(sin[i]));
@@ -539,7 +541,8 @@ void rope_rows(const T* qkv, const T* cos_sin, T* q_out, KV* cache, const int64_
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
   const int64_t cached_row = cache_row<KV>(head_dim);
   split_work(0, num_tokens, raw::ROPE_GRAIN_TOKENS, [&](int64_t begin, int64_t end) {
-    std::vector<T> rotated(std::is_same_v<KV, int8_t> ? head_dim : 0);
+    constexpr bool BYTES = std::is_same_v<KV, int8_t> || std::is_same_v<KV, at::Float8_e5m2>;
+    std::vector<T> rotated(BYTES ? head_dim : 0);
     std::vector<float> values(rotated.size());
     for (int64_t t = begin; t < end; ++t) {
       const T* cos = cos_sin + t * 2 * head_dim;  // [cos, cos]
@@ -553,11 +556,15 @@ void rope_rows(const T* qkv, const T* cos_sin, T* q_out, KV* cache, const int64_
         }
         const int64_t kv = h < num_heads + num_kv_heads ? 0 : 1, kv_head = (h - num_heads) % num_kv_heads;
         KV* dst = cache + ((kv * num_kv_heads + kv_head) * slots_per_head + slots[t]) * cached_row;
-        if constexpr (std::is_same_v<KV, int8_t>) {  // quantized from the values a T cache would hold
+        if constexpr (BYTES) {  // from the values a T cache would hold, as PyTorch's path rounds them
           if (kv == 0) rotate_row(x, cos, sin, rotated.data(), head_dim);
           const T* source = kv == 0 ? rotated.data() : x;
           for (int64_t i = 0; i < head_dim; ++i) values[i] = to_float(source[i]);
-          quantize_int8_row(values.data(), head_dim, dst);
+          if constexpr (std::is_same_v<KV, int8_t>) {
+            quantize_int8_row(values.data(), head_dim, dst);
+          } else {
+            for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<KV>(values[i]);
+          }
         } else if (kv == 0)
           rotate_row(x, cos, sin, dst, head_dim);
         else if constexpr (std::is_same_v<T, KV>)
@@ -589,7 +596,7 @@ void act_mul_rows(const T* x, T* out, int64_t rows, int64_t width) {
 }  // namespace
 
 // qkv: [T, (H + 2 Hkv) * D] contiguous; cos_sin: [T, 2, 1, D] contiguous (cos twice, then -sin and sin);
-// kv_cache: [2, Hkv, num_blocks, block_size, D]; slot_mapping: int64 [T] -> rotated q [T, H, D].
+// kv_cache: [2, Hkv, num_blocks, block_size, row]; slot_mapping: int64 [T] -> rotated q [T, H, D].
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor kv_cache,
                             torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
   TORCH_CHECK(qkv.is_contiguous() && cos_sin.is_contiguous() && kv_cache.is_contiguous());

@@ -151,6 +151,7 @@ class FusedDecoder {
     auto [x, cos_sin, slot_mapping] = step_inputs(token_ids, kv_caches[0].size(3), block_table, seq_lens);
     if (one_region && one_region_at(x.size(0)) &&
         inputs_fit_one_region(x, cos_sin, kv_caches, slot_mapping, block_table, seq_lens)) {
+      ++region_steps_;
       return with_attention_types(x.scalar_type(), kv_caches[0].scalar_type(), [&](auto t, auto kv) {
         return forward_in_one_region<decltype(t), decltype(kv)>(x, cos_sin, kv_caches, slot_mapping, block_table,
                                                                 seq_lens);
@@ -181,6 +182,8 @@ class FusedDecoder {
   }
 
   bool one_region = true;  // off: kernel after kernel at every step (the region path's reference in tests)
+  // the steps run in one region so far: tests check that the path they compare ran
+  int64_t region_steps() const { return region_steps_; }
 
   // Each thread's speed over the threads' geometric mean, as the region's matmuls have measured it (empty
   // before the first); tests set it to cut the matmuls unevenly.
@@ -308,8 +311,7 @@ class FusedDecoder {
       if (cache.scalar_type() != cache_dtype || !cache.is_contiguous() || cache.sizes() != kv_caches[0].sizes() ||
           cache.size(1) != num_kv_heads_)
         return false;
-    const int64_t row = kv_caches[0].size(4);
-    if (row != head_dim_ && !(cache_dtype == at::kChar && row == cache_row<int8_t>(head_dim_))) return false;
+    if (kv_caches[0].size(4) != (cache_dtype == at::kChar ? cache_row<int8_t>(head_dim_) : head_dim_)) return false;
     return x.scalar_type() == dtype && x.is_contiguous() && cos_sin.scalar_type() == dtype && cos_sin.is_contiguous() &&
            slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
            block_table.scalar_type() == at::kInt && block_table.is_contiguous() &&
@@ -424,6 +426,7 @@ class FusedDecoder {
   // the region's barrier and the threads' speeds, learned step after step: one forward at a time, as the KV
   // caches need anyway
   mutable RegionShared shared_;
+  mutable int64_t region_steps_ = 0;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_, softcap_;
 };
@@ -460,6 +463,7 @@ void register_fused_decoder(pybind11::module& m) {
       .def(py::init<std::vector<FusedLayer>, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double,
                     double, double>())
       .def_readwrite("one_region", &FusedDecoder::one_region)
+      .def_property_readonly("region_steps", &FusedDecoder::region_steps)
       .def("one_region_at", &FusedDecoder::one_region_at)
       .def_property("thread_speeds", &FusedDecoder::thread_speeds, &FusedDecoder::set_thread_speeds)
       .def("forward", &FusedDecoder::forward, py::call_guard<py::gil_scoped_release>())

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -62,8 +63,9 @@ inline void widen_to_bf16(const at::Float8_e5m2* src, at::BFloat16* dst, int64_t
 #endif
 
 // An int8 cache row (--kv-cache-dtype int8): a head's D codes, then the row's float32 scale, the row's
-// largest magnitude / 127; a value is code * scale. nanoserve/model/kv_rows.py writes and reads the same
-// rows in PyTorch, with the same arithmetic, so that both paths hold the same codes.
+// largest magnitude times INT8_STEP; a value is code * scale (a row under FLT_MIN / INT8_STEP: codes of
+// 0). nanoserve/model/kv_rows.py writes and reads the same rows in PyTorch, with the same arithmetic, so
+// that both paths hold the same codes.
 constexpr int64_t INT8_SCALE_BYTES = 4;
 constexpr float INT8_STEP = 1.f / 127.f;
 // the elements of a cached row of KV's type for a head of head_dim values
@@ -76,7 +78,13 @@ constexpr int64_t cache_row(int64_t head_dim) {
 inline void quantize_int8_row(const float* x, int64_t D, int8_t* row) {
   float largest = 0.f;
   for (int64_t d = 0; d < D; ++d) largest = std::max(largest, std::fabs(x[d]));
-  const float scale = largest * INT8_STEP, inverse = scale > 0.f ? 1.f / scale : 0.f;
+  float scale = largest * INT8_STEP;
+  // -ffast-math may rewrite 1 / (largest * INT8_STEP) as 127.000001 / largest, and x * (1 / scale) as
+  // x / scale: each moves a code at a tie (63.5 one way or the other) off PyTorch's. The empty asm
+  // statements hide where the values came from.
+  asm volatile("" : "+m"(scale));
+  float inverse = scale >= FLT_MIN ? 1.f / scale : 0.f;
+  asm volatile("" : "+m"(inverse));
   for (int64_t d = 0; d < D; ++d) row[d] = static_cast<int8_t>(std::nearbyint(x[d] * inverse));
   std::memcpy(row + D, &scale, sizeof scale);
 }
@@ -161,8 +169,9 @@ inline int64_t first_attended(int64_t seq_len, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
 }
 AttentionSplit attention_split(const int64_t* seq_lens, int64_t num_seqs, int64_t num_kv_heads, int64_t window);
-// The sizes behind decode attention's q [S, H, D], KV cache [2, Hkv, num_blocks, block_size, D] and block
+// The sizes behind decode attention's q [S, H, D], KV cache [2, Hkv, num_blocks, block_size, row] and block
 // table [S, max_blocks]
+// (row: a cached row's elements, D, or D + INT8_SCALE_BYTES for int8)
 struct DecodeAttentionShape {
   int64_t num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks;
 };

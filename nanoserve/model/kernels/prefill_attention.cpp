@@ -756,7 +756,7 @@ void prefill_attention_any(int64_t head_dim, const T* q, const KV* kv, const int
 
 }  // namespace
 
-// q: [T, H, D] (the step's tokens); kv_cache: [2, Hkv, num_blocks, block_size, D]; block_table: int32
+// q: [T, H, D] (the step's tokens); kv_cache: [2, Hkv, num_blocks, block_size, row]; block_table: int32
 // [S, max_blocks]; query_starts, query_lens, seq_lens: int64 [S] (each sequence's first row of q, its new
 // tokens, and its context including them, already in the cache); window: the last positions attended to
 // (0: all); softcap: cap of cap * tanh(score / cap) (0: none) -> [sum(query_lens), H * D], sequence after
