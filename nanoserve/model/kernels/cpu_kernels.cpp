@@ -177,8 +177,10 @@ inline void score_rows(const KV* k, int64_t n, int64_t D, int64_t per_kv, const 
         for (int64_t t = 0; t < 16; ++t) {
           dots[t] = _mm512_setzero_ps();
           if (t >= keys) continue;  // rows past the block's end are never read
-          for (int i = 0; i < PAIRS; ++i)
-            dots[t] = _mm512_dpbf16_ps(dots[t], q_pairs[i], (__m512bh)_mm512_loadu_si512(key_rows + t * FIXED_D + 32 * i));
+          for (int i = 0; i < PAIRS; ++i) {
+            const __m512bh key = (__m512bh)_mm512_loadu_si512(key_rows + t * FIXED_D + 32 * i);
+            dots[t] = _mm512_dpbf16_ps(dots[t], q_pairs[i], key);
+          }
         }
         const __m512 sums = _mm512_mul_ps(sum_each16(dots), _mm512_set1_ps(scale));
         _mm512_mask_storeu_ps(scores + h * stride + first, static_cast<__mmask16>((1u << keys) - 1), sums);
