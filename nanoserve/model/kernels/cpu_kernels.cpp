@@ -525,11 +525,9 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 
 namespace {
 
-// x rotated by cos and sin into dst, rounded to dst's dtype (a bf16 cache's K rows from float32 ones).
-// noipa: one copy of the code wherever it is called from, so that a byte cache's K rows are quantized from
-// the very values a cache of T would hold (inlined, each caller may fuse the products its own way)
+// x rotated by cos and sin into dst, rounded to dst's dtype (a bf16 cache's K rows from float32 ones)
 template <typename T, typename OUT>
-__attribute__((noipa)) void rotate_row(const T* x, const T* cos, const T* sin, OUT* dst, int64_t head_dim) {
+inline void rotate_row(const T* x, const T* cos, const T* sin, OUT* dst, int64_t head_dim) {
   const int64_t half = head_dim / 2;
   for (int64_t i = 0; i < half; ++i)  // two loops without a select: both vectorize
     dst[i] = static_cast<OUT>(to_float(x[i]) * to_float(cos[i]) + to_float(x[i + half]) * to_float(sin[i]));
