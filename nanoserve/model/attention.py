@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from nanoserve.model.batch import NULL_BLOCK
 from nanoserve.model.flash_prefill import PrefillSplit, WholePrompt, attend_split
 from nanoserve.model.huge_pages import HugePageBuffer, huge_page_zeros
-from nanoserve.model.kv_rows import as_copyable, decode, encode, head_dim_of, row_width
+from nanoserve.model.kv_rows import as_copyable, decode, encode, row_width
 
 
 @dataclass
@@ -370,7 +370,6 @@ def _attend_group(
     softcap: float | None,
 ) -> torch.Tensor:
     num_heads, head_dim = q.shape[1:]
-    assert head_dim_of(kv_cache) == head_dim, "the cache's rows hold the query's head size"
     if group.is_decode and kernels is not None:
         if group.token_index is not None:
             q = q.index_select(0, group.token_index)

@@ -22,10 +22,6 @@ def row_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + (INT8_SCALE_BYTES if dtype == torch.int8 else 0)
 
 
-def head_dim_of(cache: torch.Tensor) -> int:
-    return cache.shape[-1] - (INT8_SCALE_BYTES if cache.dtype == torch.int8 else 0)
-
-
 def encode(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """values [..., D] -> rows [..., row_width(D, dtype)] of dtype."""
     if dtype != torch.int8:

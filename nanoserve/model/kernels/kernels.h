@@ -114,17 +114,7 @@ inline void dequantize_int8_row(const int8_t* row, int64_t D, W* out) {
     }
   }
 #endif
-  for (; d < D; ++d) {
-    const float value = static_cast<float>(row[d]) * scale;
-    if constexpr (std::is_same_v<W, float>) {
-      out[d] = value;
-    } else {  // to nearest even, as torch rounds (finite values only)
-      uint32_t b;
-      std::memcpy(&b, &value, sizeof b);
-      const uint16_t bits = static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-      std::memcpy(out + d, &bits, sizeof bits);
-    }
-  }
+  for (; d < D; ++d) out[d] = static_cast<W>(static_cast<float>(row[d]) * scale);  // c10 rounds to nearest even
 }
 
 // The pairs of activation and KV cache dtypes the attention kernels take: both bfloat16, both float32,
