@@ -25,7 +25,7 @@ from nanoserve.engine.core_client.inproc import InprocClient
 from nanoserve.engine.exceptions import EngineDeadError
 from nanoserve.entrypoints.cli import build_parser, engine_options_from_args
 from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
-from nanoserve.wire.messages import EngineCoreRequest, FinishReason, SchedulerStats
+from nanoserve.wire.messages import DPLoadUpdate, EngineCoreRequest, FinishReason, SchedulerStats
 
 DP2 = EngineOptions(runner="null", data_parallel_size=2)
 
@@ -377,28 +377,40 @@ def test_sync_client_sigkill_and_llm_offline_dp2_matches_dp1(tiny_gqa_dir):
 
 
 @pytest.mark.timeout(180)
-def test_coordinator_streams_engine_loads_to_the_balancer():
-    # the sync client: its reader is a thread, so this test's polling is not starved by a burst of
-    # null-runner outputs (the asyncio reader drains a burst without yielding to the loop)
+def test_coordinator_streams_engine_loads_to_the_balancer(monkeypatch):
+    # Every publication handed to the balancer is recorded: sampling its loads from here could miss the
+    # busy stretch while this process waits for a core or the GIL (the reader thread decodes a flood of
+    # null-runner outputs). The stretch is long: a request ends at the null runner's 8192 tokens (about
+    # 0.1 s when idle) and each rank runs 64 of them one at a time, so a coordinator kept waiting for a
+    # core still publishes a busy load before the engines, which wait alike, are done.
+    published: list[dict[int, int]] = []
+    apply_update = DPLoadBalancer.apply_update
+
+    def recording_apply_update(balancer: DPLoadBalancer, update: DPLoadUpdate) -> None:
+        published.append({r.engine_rank: r.num_running_reqs + r.num_waiting_reqs for r in update.loads})
+        apply_update(balancer, update)
+
+    monkeypatch.setattr(DPLoadBalancer, "apply_update", recording_apply_update)
     client = EngineCoreClient.make_client(
         True, False, EngineOptions(runner="null", data_parallel_size=2, max_num_seqs=1)
     )
     try:
         assert client.resources.coordinator.is_alive()
-        long = [make_request(f"long-{i}", [1, 2, 3, i], max_tokens=10**6) for i in range(16)]
+        long = [make_request(f"long-{i}", [1, 2, 3, i], max_tokens=10**6) for i in range(128)]
         for r in long:
             client.add_request(r)
         # no output is read here: whatever the balancer knows of the engines came from the coordinator.
         # Each wait is for a condition; the deadline (seconds when idle) leaves room for a loaded machine.
         deadline = time.monotonic() + 60
-        loads, seen_busy = client.balancer.loads, set()
-        while seen_busy != {0, 1}:
-            assert time.monotonic() < deadline, (loads, client.balancer.num_updates)
-            seen_busy |= {r for r in (0, 1) if loads[r].num_running_reqs + loads[r].num_waiting_reqs > 0}
-            time.sleep(0.005)
+        while not all(any(counts.get(r) for counts in published) for r in (0, 1)):
+            assert time.monotonic() < deadline, (published, client.balancer.num_updates)
+            time.sleep(0.01)
         client.abort_requests([r.request_id for r in long])
-        while any(loads[r].num_running_reqs + loads[r].num_waiting_reqs for r in (0, 1)):
-            assert time.monotonic() < deadline, loads
+        loads = client.balancer.loads
+        while published[-1] != {0: 0, 1: 0} or any(
+            loads[r].num_running_reqs + loads[r].num_waiting_reqs for r in (0, 1)
+        ):
+            assert time.monotonic() < deadline, (published[-5:], loads)
             time.sleep(0.01)
         heartbeats = client.balancer.num_heartbeats
         deadline = time.monotonic() + 20 * HEARTBEAT_INTERVAL_S
