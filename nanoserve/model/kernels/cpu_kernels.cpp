@@ -150,6 +150,17 @@ inline void add_weighted_rows(const float* p, const float* v, int64_t n, int64_t
   }
 }
 
+// out[i] = v[i] as float32 for the i < count values of a block's rows (the AVX2 path: 8 at a time)
+template <int FIXED_D, typename T>
+inline void widen_rows(const T* v, int64_t count, float* out) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  if constexpr (FIXED_D > 0 && FIXED_D % 8 == 0)
+    for (; i < count; i += 8) _mm256_storeu_ps(out + i, load8(v + i));
+#endif
+  for (; i < count; ++i) out[i] = to_float(v[i]);
+}
+
 // scores[h * stride + t] = scale * q_h . k_t for the n cached K rows of one block (query: q * scale); the AVX2
 // path also writes up to 7 lanes past n
 template <typename T, typename KV, int FIXED_D>
@@ -223,7 +234,11 @@ void decode_attention_for_head_dim(const T* q, const KV* kv, const int32_t* bloc
   // an int8 cache's rows (codes and a scale) are dequantized a block at a time into Rows, which the scores
   // and the weighted sums read as they read a bf16 (or float32) cache
   constexpr bool INT8 = std::is_same_v<KV, int8_t>;
-  using Dequantized = std::conditional_t<std::is_same_v<T, at::BFloat16>, at::BFloat16, float>;
+#if defined(__AVX512BF16__)
+  using Dequantized = T;  // bf16 rows for the pair dot products
+#else
+  using Dequantized = float;  // rounded to T, then read as they are: no widening after
+#endif
   using Rows = std::conditional_t<INT8, Dequantized, KV>;
   const int64_t cached_row = cache_row<KV>(D);
   const int64_t head_stride = num_blocks * block_size * cached_row;
@@ -286,7 +301,7 @@ void decode_attention_for_head_dim(const T* q, const KV* kv, const int32_t* bloc
     // the n cached rows from first, as the scores and sums read them: in place, or an int8 cache's dequantized
     auto block_rows = [&](const KV* first, int64_t n) -> const Rows* {
       if constexpr (INT8) {
-        for (int64_t t = 0; t < n; ++t) dequantize_int8_row(first + t * cached_row, D, dequantized.data() + t * D);
+        for (int64_t t = 0; t < n; ++t) dequantize_int8_row<T>(first + t * cached_row, D, dequantized.data() + t * D);
         return dequantized.data();
       } else {
         return first;
@@ -362,7 +377,7 @@ void decode_attention_for_head_dim(const T* q, const KV* kv, const int32_t* bloc
           if constexpr (std::is_same_v<Rows, float>)
             v_rows = v;  // read in place
           else
-            for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(v[i]);
+            widen_rows<FIXED_D>(v, n * D, rows.data());
           for (int64_t h = 0; h < per_kv; ++h)
             add_weighted_rows<FIXED_D>(scores.data() + h * stride + offset, v_rows, n, D, acc + h * D);
         });

@@ -38,6 +38,21 @@ inline __m256 load8(const at::Float8_e5m2* p) {
   return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
 }
 #endif
+// 8 float32 lanes rounded to bfloat16's precision, to nearest even (as torch rounds): the bfloat16 in the
+// high half of each lane, zeros below
+inline __m256i round_to_bf16(__m256 values) {
+  const __m256i bits = _mm256_castps_si256(values);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  return _mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u)));
+}
+// 8 float32 lanes stored as float32, or as bfloat16 rounded to nearest even
+inline void store8(float* p, __m256 values) { _mm256_storeu_ps(p, values); }
+inline void store8(at::BFloat16* p, __m256 values) {
+  const __m256i words = _mm256_srli_epi32(round_to_bf16(values), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -50,6 +65,19 @@ inline __m512 load16f(const at::BFloat16* p) {
 inline __m512 load16f(const at::Float8_e5m2* p) {
   const __m256i halves = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm512_cvtph_ps(_mm256_slli_epi16(halves, 8));
+}
+// 16 float32 lanes rounded to bfloat16's precision, as round_to_bf16 above
+inline __m512i round_to_bf16(__m512 values) {
+  const __m512i bits = _mm512_castps_si512(values);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)));
+}
+// 16 float32 lanes stored as float32, or as bfloat16 rounded to nearest even
+inline void store16f(float* p, __m512 values) { _mm512_storeu_ps(p, values); }
+inline void store16f(at::BFloat16* p, __m512 values) {
+  const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_to_bf16(values), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), words);
 }
 #endif
 
@@ -89,32 +117,38 @@ inline void quantize_int8_row(const float* x, int64_t D, int8_t* row) {
   std::memcpy(row + D, &scale, sizeof scale);
 }
 
-// an int8 row -> its D values, code * scale in float32, rounded to W (float32 or bf16, to nearest even)
-template <typename W>
+// an int8 row -> its D values, code * scale in float32, rounded to R (float32 or bf16, to nearest even: the
+// values PyTorch's path attends over) and stored as W (R, or float32 for loops that read float32 rows)
+template <typename R, typename W>
 inline void dequantize_int8_row(const int8_t* row, int64_t D, W* out) {
+  static_assert(std::is_same_v<W, R> || std::is_same_v<W, float>, "stored as the rounding's type or as float32");
+  constexpr bool ROUND_IN_FLOAT = std::is_same_v<R, at::BFloat16> && std::is_same_v<W, float>;
   float scale;
   std::memcpy(&scale, row + D, sizeof scale);
   int64_t d = 0;
 #if defined(__AVX512F__)
   for (; d + 16 <= D; d += 16) {
     const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
-    const __m512 values = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(scale));
-    if constexpr (std::is_same_v<W, float>) {
-      _mm512_storeu_ps(out + d, values);
-    } else {
+    __m512 values = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(scale));
+    if constexpr (ROUND_IN_FLOAT) values = _mm512_castsi512_ps(round_to_bf16(values));
 #if defined(__AVX512BF16__)
-      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(values);
-#else
-      const __m512i b = _mm512_castps_si512(values);
-      const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(b, 16),
-                                                                                        _mm512_set1_epi32(1)));
-      const __m256i rounded = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(b, bias), 16));
-#endif
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), rounded);
+    if constexpr (std::is_same_v<W, at::BFloat16>) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), (__m256i)_mm512_cvtneps_pbh(values));
+      continue;
     }
+#endif
+    store16f(out + d, values);
+  }
+#elif defined(__AVX2__)
+  for (; d + 8 <= D; d += 8) {
+    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
+    __m256 values = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), _mm256_set1_ps(scale));
+    if constexpr (ROUND_IN_FLOAT) values = _mm256_castsi256_ps(round_to_bf16(values));
+    store8(out + d, values);
   }
 #endif
-  for (; d < D; ++d) out[d] = static_cast<W>(static_cast<float>(row[d]) * scale);  // c10 rounds to nearest even
+  for (; d < D; ++d)  // c10 rounds to nearest even
+    out[d] = static_cast<W>(static_cast<R>(static_cast<float>(row[d]) * scale));
 }
 
 // The pairs of activation and KV cache dtypes the attention kernels take: both bfloat16, both float32,

@@ -91,8 +91,8 @@ void pack_context(const T* kv, const int32_t* table, const Layout& L, int64_t D,
     const T* k = k_head + (table[pos / L.block_size] * L.block_size + pos % L.block_size) * L.cached_row;
     const T* v = k + L.v_offset;
     if constexpr (INT8) {
-      dequantize_int8_row(k, D, widened.data());
-      dequantize_int8_row(v, D, widened.data() + D);
+      dequantize_int8_row<Wide>(k, D, widened.data());
+      dequantize_int8_row<Wide>(v, D, widened.data() + D);
     }
     if constexpr (PAIRS) {
       // an fp8 cache's rows widened, an int8 one's dequantized, a bf16 one's in place

@@ -29,17 +29,6 @@ inline __m256 half_to_float(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-inline void store(float* out, __m256 values) { _mm256_storeu_ps(out, values); }
-
-inline void store(at::BFloat16* out, __m256 values) {  // round to nearest even, as torch does
-  const __m256i bits = _mm256_castps_si256(values);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded =
-      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-  const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), words);
-}
-
 inline __m256i broadcast_quad(const int8_t* x, int q) {  // inputs 4q..4q+3 of a group, in every int32
   int32_t quad;
   std::memcpy(&quad, x + 4 * q, sizeof quad);
@@ -161,7 +150,7 @@ void tile_rows_with(const Activations& x, const float* x_scales, const float* x_
       }
     }
     for (int h = 0; h < HALVES; ++h)
-      for (int r = 0; r < ROWS; ++r) store(out + r * n + tile * TILE + HALF * (HALVES * pass + h), acc[h][r]);
+      for (int r = 0; r < ROWS; ++r) store8(out + r * n + tile * TILE + HALF * (HALVES * pass + h), acc[h][r]);
   }
 }
 

@@ -39,15 +39,6 @@ inline void load_group(const uint8_t* codes, __m512i quads[8]) {
   }
 }
 
-inline void store(float* out, __m512 values) { _mm512_storeu_ps(out, values); }
-
-inline void store(at::BFloat16* out, __m512 values) {  // round to nearest even, as torch does
-  const __m512i bits = _mm512_castps_si512(values);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
 // out columns of one tile for ROWS rows of quantized x. The rows' dot products advance together, quad by
 // quad: one row's 8 dependent VNNI steps alone would wait on each other's latency. Each activation quad
 // is a broadcast memory operand of the VNNI instruction itself (GCC does not fold the broadcast).
@@ -88,7 +79,7 @@ void tile_rows(const Activations& x, const float* x_scales, const float* x_sums,
       acc[r] = _mm512_fmadd_ps(w_low, _mm512_set1_ps(x_sums[r * groups + g]), acc[r]);
     }
   }
-  for (int r = 0; r < ROWS; ++r) store(out + r * n + tile * TILE, acc[r]);
+  for (int r = 0; r < ROWS; ++r) store16f(out + r * n + tile * TILE, acc[r]);
 }
 
 // One group of 32 activations to int8 (scale = max |x| / 127), with its scale and the sum of its quantized
