@@ -1,7 +1,8 @@
 """`nanoserve bench throughput`: nanoserve's offline generation vs transformers `generate`, same run.
 
-Both engines get the same token-id prompts (32 tokens each), greedy, a fixed number of new tokens
-(EOS ignored), at each batch size; each nanoserve engine is also measured sampling (SAMPLED_TEMPERATURE, SAMPLED_TOP_P), since
+Every engine gets token-id prompts of the same length (32 tokens by default; each run its own, so no
+run finds its prompts in the prefix cache), greedy, a fixed number of new tokens (EOS ignored), at each
+batch size; each nanoserve engine is also measured sampling (SAMPLED_TEMPERATURE, SAMPLED_TOP_P), since
 users sample. Output tokens per second are reported as min/median/max over repeats. Each repeat runs
 every column once, back to back (each other repeat in reverse order), and a ratio is the median (min-max) of the repeats' own ratios: on a
 shared machine whose speed drifts by a third over minutes, a pair measured seconds apart is compared
@@ -13,6 +14,7 @@ this machine's read bandwidth measured in the same run (nanoserve.bench.bandwidt
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -28,10 +30,22 @@ PASSAGE = (
 )
 
 
-def make_prompts(tokenizer, batch: int, prompt_len: int) -> list[list[int]]:
+def make_prompts(tokenizer, batch: int, prompt_len: int, run: int | None = None) -> list[list[int]]:
+    """`batch` windows of the passage, one token apart. With `run`, each prompt's first token is replaced by
+    one of its own (FIRST_MARKER_ID on, by run and index): the engine's prefix cache then holds nothing of
+    one run's prompts that another run could reuse, so every timed run computes its prompts."""
     ids = tokenizer(PASSAGE).input_ids
     ids = (ids * (prompt_len * (batch + 1) // len(ids) + 2))[: prompt_len * (batch + 1)]
-    return [ids[i : i + prompt_len] for i in range(batch)]
+    prompts = [ids[i : i + prompt_len] for i in range(batch)]
+    if run is not None:
+        span = len(tokenizer) - FIRST_MARKER_ID
+        for i, prompt in enumerate(prompts):
+            prompt[0] = FIRST_MARKER_ID + (run * batch + i) % span
+    return prompts
+
+
+FIRST_MARKER_ID = 256
+"""Past the special tokens of the vocabularies nanoserve serves."""
 
 
 SAMPLED_TEMPERATURE, SAMPLED_TOP_P = 0.8, 0.95
@@ -215,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(
         f"model {model_path}\ndtype {dtype_name} ({args.dtype}), {torch.get_num_threads()} threads, "
-        f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy and sampled "
+        f"{args.prompt_len}-token prompts (each run its own: no prefix-cache hits), {args.new_tokens} new tokens, greedy and sampled "
         f"(temperature {SAMPLED_TEMPERATURE}, top_p {SAMPLED_TOP_P}); tok/s as median (min-max) of {args.repeats}; "
         f"ratios as median (min-max) of each repeat's own\n"
     )
@@ -226,13 +240,14 @@ def main(argv: list[str] | None = None) -> None:
     header += "".join(f"  {title:>24}" for _, _, title in ratios)
     print(header)
     curves: dict[str, list[float]] = {label: [] for label, _, _ in columns}
+    runs = itertools.count()  # every run its own prompts: none is served from the prefix cache
     for batch in batch_sizes:
-        prompts = make_prompts(tokenizer, batch, args.prompt_len)
         samples: dict[str, list[float]] = {label: [] for label, _, _ in columns}
         for name in names:
-            run(name, False, prompts, 4)  # warm-up
+            run(name, False, make_prompts(tokenizer, batch, args.prompt_len, next(runs)), 4)  # warm-up
         for repeat in range(args.repeats):  # interleaved, every other one reversed: no column always first
             for label, name, sampled in columns if repeat % 2 == 0 else columns[::-1]:
+                prompts = make_prompts(tokenizer, batch, args.prompt_len, next(runs))
                 samples[label].append(run(name, sampled, prompts, args.new_tokens))
         row = f"{batch:>5}" + "".join(f"  {summarize(samples[label]):>24}" for label, _, _ in columns)
         row += "".join(f"  {paired_ratio(samples[top], samples[bottom]):>24}" for top, bottom, _ in ratios)

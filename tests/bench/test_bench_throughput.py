@@ -42,3 +42,25 @@ def test_engine_names_spell_their_options():
     for name in ("mp-kvfp16", "gpu", "mp-int4-int8", "mp-nokernels-unfused", "mp-kvbf16-kvfp8"):
         with pytest.raises(ValueError, match="unknown engine"):
             throughput.nanoserve_options(name)
+
+
+def test_no_timed_run_finds_its_prompts_in_the_prefix_cache(tiny_gqa_dir):
+    """Windows of one passage, cached by the run before, would let a run skip its prompts' prefill (and an
+    engine whose cache holds them all look faster than one whose cache cannot)."""
+    from nanoserve.entrypoints.llm import LLM
+    from nanoserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    with LLM(str(tiny_gqa_dir), multiprocess_mode=False) as llm:
+        tokenizer = llm.get_tokenizer()
+
+        def cached_tokens(prompts: list[list[int]]) -> int:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            return sum(o.num_cached_tokens for o in outputs)
+
+        same = throughput.make_prompts(tokenizer, 4, 64)
+        assert cached_tokens(same) == 0 and cached_tokens(same) > 0  # what the runs' own prompts avoid
+        for run in range(3):
+            prompts = throughput.make_prompts(tokenizer, 4, 64, run)
+            assert [len(p) for p in prompts] == [64] * 4
+            assert cached_tokens(prompts) == 0
