@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
 
-    from nanoserve.bench.throughput import make_prompts, summarize, time_nanoserve
+    from nanoserve.bench.throughput import FreshPrompts, summarize, time_nanoserve
     from nanoserve.entrypoints.llm import LLM
 
     if args.num_threads:
@@ -153,15 +153,14 @@ def main(argv: list[str] | None = None) -> None:
             f: LLM(folders[f], dtype="bfloat16", multiprocess_mode=False, num_threads=args.num_threads)
             for f in ("llama", "mixtral")
         }
-        tokenizer = llms["llama"].get_tokenizer()
+        fresh_prompts = FreshPrompts(llms["llama"].get_tokenizer(), args.prompt_len)
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
-            prompts = make_prompts(tokenizer, batch, args.prompt_len)
             samples: dict[str, list[float]] = {f: [] for f in llms}
             for llm in llms.values():
-                time_nanoserve(llm, prompts, 4)  # warm-up
+                time_nanoserve(llm, fresh_prompts(batch), 4)  # warm-up
             for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits both alike
                 for family, llm in llms.items():
-                    samples[family].append(time_nanoserve(llm, prompts, args.new_tokens))
+                    samples[family].append(time_nanoserve(llm, fresh_prompts(batch), args.new_tokens))
             ratio = statistics.median(samples["mixtral"]) / statistics.median(samples["llama"])
             moe_us, experts_us, mlp_us = time_blocks(
                 first_mlp(llms["mixtral"]), first_mlp(llms["llama"]), batch

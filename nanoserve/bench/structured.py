@@ -12,7 +12,7 @@ import argparse
 import statistics
 import time
 
-from nanoserve.bench.throughput import make_prompts
+from nanoserve.bench.throughput import FreshPrompts
 
 SCHEMA = {
     "type": "object",
@@ -48,16 +48,17 @@ def main(argv: list[str] | None = None) -> None:
 
     llm = LLM(args.model)
     try:
-        tokenizer = llm.get_tokenizer()
-        tokens_per_second(llm, make_prompts(tokenizer, 1, args.prompt_len), 4, structured=True)  # warm-up
+        fresh_prompts = FreshPrompts(llm.get_tokenizer(), args.prompt_len)
+        tokens_per_second(llm, fresh_prompts(1), 4, structured=True)  # warm-up
         print("| batch | plain tok/s | json schema tok/s | schema / plain |")
         print("|------:|------------:|------------------:|---------------:|")
         for batch in (int(b) for b in args.batch_sizes.split(",")):
-            prompts = make_prompts(tokenizer, batch, args.prompt_len)
             plain, constrained = [], []
             for _ in range(args.repeats):  # interleaved, so drifting load hits both alike
-                plain.append(tokens_per_second(llm, prompts, args.new_tokens, structured=False))
-                constrained.append(tokens_per_second(llm, prompts, args.new_tokens, structured=True))
+                plain.append(tokens_per_second(llm, fresh_prompts(batch), args.new_tokens, structured=False))
+                constrained.append(
+                    tokens_per_second(llm, fresh_prompts(batch), args.new_tokens, structured=True)
+                )
             p, c = statistics.median(plain), statistics.median(constrained)
             print(f"| {batch} | {p:.1f} | {c:.1f} | {c / p:.2f}x |", flush=True)
     finally:

@@ -14,7 +14,6 @@ this machine's read bandwidth measured in the same run (nanoserve.bench.bandwidt
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import time
 
@@ -30,22 +29,35 @@ PASSAGE = (
 )
 
 
-def make_prompts(tokenizer, batch: int, prompt_len: int, run: int | None = None) -> list[list[int]]:
-    """`batch` windows of the passage, one token apart. With `run`, each prompt's first token is replaced by
-    one of its own (FIRST_MARKER_ID on, by run and index): the engine's prefix cache then holds nothing of
-    one run's prompts that another run could reuse, so every timed run computes its prompts."""
+def make_prompts(tokenizer, batch: int, prompt_len: int) -> list[list[int]]:
+    """`batch` windows of the passage, one token apart: the same ones at every call."""
     ids = tokenizer(PASSAGE).input_ids
     ids = (ids * (prompt_len * (batch + 1) // len(ids) + 2))[: prompt_len * (batch + 1)]
-    prompts = [ids[i : i + prompt_len] for i in range(batch)]
-    if run is not None:
-        span = len(tokenizer) - FIRST_MARKER_ID
-        for i, prompt in enumerate(prompts):
-            prompt[0] = FIRST_MARKER_ID + (run * batch + i) % span
-    return prompts
+    return [ids[i : i + prompt_len] for i in range(batch)]
 
 
 FIRST_MARKER_ID = 256
-"""Past the special tokens of the vocabularies nanoserve serves."""
+"""Past the special tokens of the vocabularies nanoserve serves (Llama 3's and Qwen's sit at the top)."""
+
+
+class FreshPrompts:
+    """make_prompts' windows, each starting with a token no earlier prompt had (FIRST_MARKER_ID on): no
+    run finds its prompts in the engine's prefix cache. Windows reused from run to run would skip their
+    prefill after the first run, and flatter an engine whose cache holds them all over one whose cache
+    cannot."""
+
+    def __init__(self, tokenizer, prompt_len: int) -> None:
+        self.tokenizer, self.prompt_len = tokenizer, prompt_len
+        self.next_marker = FIRST_MARKER_ID
+
+    def __call__(self, batch: int) -> list[list[int]]:
+        if self.next_marker + batch > len(self.tokenizer):
+            raise ValueError(f"the vocabulary has no {batch} more tokens to start fresh prompts with")
+        prompts = make_prompts(self.tokenizer, batch, self.prompt_len)
+        for prompt in prompts:
+            prompt[0] = self.next_marker
+            self.next_marker += 1
+        return prompts
 
 
 SAMPLED_TEMPERATURE, SAMPLED_TOP_P = 0.8, 0.95
@@ -240,15 +252,14 @@ def main(argv: list[str] | None = None) -> None:
     header += "".join(f"  {title:>24}" for _, _, title in ratios)
     print(header)
     curves: dict[str, list[float]] = {label: [] for label, _, _ in columns}
-    runs = itertools.count()  # every run its own prompts: none is served from the prefix cache
+    fresh_prompts = FreshPrompts(tokenizer, args.prompt_len)
     for batch in batch_sizes:
         samples: dict[str, list[float]] = {label: [] for label, _, _ in columns}
         for name in names:
-            run(name, False, make_prompts(tokenizer, batch, args.prompt_len, next(runs)), 4)  # warm-up
+            run(name, False, fresh_prompts(batch), 4)  # warm-up
         for repeat in range(args.repeats):  # interleaved, every other one reversed: no column always first
             for label, name, sampled in columns if repeat % 2 == 0 else columns[::-1]:
-                prompts = make_prompts(tokenizer, batch, args.prompt_len, next(runs))
-                samples[label].append(run(name, sampled, prompts, args.new_tokens))
+                samples[label].append(run(name, sampled, fresh_prompts(batch), args.new_tokens))
         row = f"{batch:>5}" + "".join(f"  {summarize(samples[label]):>24}" for label, _, _ in columns)
         row += "".join(f"  {paired_ratio(samples[top], samples[bottom]):>24}" for top, bottom, _ in ratios)
         print(row, flush=True)

@@ -59,8 +59,9 @@ def test_no_timed_run_finds_its_prompts_in_the_prefix_cache(tiny_gqa_dir):
             return sum(o.num_cached_tokens for o in outputs)
 
         same = throughput.make_prompts(tokenizer, 4, 64)
-        assert cached_tokens(same) == 0 and cached_tokens(same) > 0  # what the runs' own prompts avoid
-        for run in range(3):
-            prompts = throughput.make_prompts(tokenizer, 4, 64, run)
-            assert [len(p) for p in prompts] == [64] * 4
+        assert cached_tokens(same) == 0 and cached_tokens(same) > 0  # what fresh prompts avoid
+        fresh = throughput.FreshPrompts(tokenizer, 64)
+        for batch in (4, 2, 4, 1, 4):  # a batch size again after others: still nothing to reuse
+            prompts = fresh(batch)
+            assert [len(p) for p in prompts] == [64] * batch
             assert cached_tokens(prompts) == 0

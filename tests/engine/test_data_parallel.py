@@ -378,17 +378,19 @@ def test_sync_client_sigkill_and_llm_offline_dp2_matches_dp1(tiny_gqa_dir):
 
 @pytest.mark.timeout(180)
 def test_coordinator_streams_engine_loads_to_the_balancer(monkeypatch):
-    # Every publication handed to the balancer is recorded: sampling its loads from here could miss the
-    # busy stretch while this process waits for a core or the GIL (the reader thread decodes a flood of
-    # null-runner outputs). The stretch is long: a request ends at the null runner's 8192 tokens (about
-    # 0.1 s when idle) and each rank runs 64 of them one at a time, so a coordinator kept waiting for a
-    # core still publishes a busy load before the engines, which wait alike, are done.
+    # The balancer's loads after each publication it applies are recorded: sampling them from here could
+    # miss the busy stretch while this process waits for a core or the GIL (the reader thread decodes a
+    # flood of null-runner outputs). The stretch is long: a request ends at the null runner's 8192 tokens
+    # (about 0.1 s when idle) and each rank runs 64 of them one at a time, so a coordinator kept waiting
+    # for a core still publishes a busy load before the engines, which wait alike, are done.
     published: list[dict[int, int]] = []
     apply_update = DPLoadBalancer.apply_update
 
     def recording_apply_update(balancer: DPLoadBalancer, update: DPLoadUpdate) -> None:
-        published.append({r.engine_rank: r.num_running_reqs + r.num_waiting_reqs for r in update.loads})
         apply_update(balancer, update)
+        published.append(
+            {r: load.num_running_reqs + load.num_waiting_reqs for r, load in balancer.loads.items()}
+        )
 
     monkeypatch.setattr(DPLoadBalancer, "apply_update", recording_apply_update)
     client = EngineCoreClient.make_client(

@@ -151,12 +151,11 @@ inline void add_weighted_rows(const float* p, const float* v, int64_t n, int64_t
 }
 
 // out[i] = v[i] as float32 for the i < count values of a block's rows (the AVX2 path: 8 at a time)
-template <int FIXED_D, typename T>
+template <typename T>
 inline void widen_rows(const T* v, int64_t count, float* out) {
   int64_t i = 0;
 #if defined(__AVX2__) && defined(__F16C__)
-  if constexpr (FIXED_D > 0 && FIXED_D % 8 == 0)
-    for (; i < count; i += 8) _mm256_storeu_ps(out + i, load8(v + i));
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(out + i, load8(v + i));
 #endif
   for (; i < count; ++i) out[i] = to_float(v[i]);
 }
@@ -377,7 +376,7 @@ void decode_attention_for_head_dim(const T* q, const KV* kv, const int32_t* bloc
           if constexpr (std::is_same_v<Rows, float>)
             v_rows = v;  // read in place
           else
-            widen_rows<FIXED_D>(v, n * D, rows.data());
+            widen_rows(v, n * D, rows.data());
           for (int64_t h = 0; h < per_kv; ++h)
             add_weighted_rows<FIXED_D>(scores.data() + h * stride + offset, v_rows, n, D, acc + h * D);
         });

@@ -132,12 +132,11 @@ inline void dequantize_int8_row(const int8_t* row, int64_t D, W* out) {
     __m512 values = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(scale));
     if constexpr (ROUND_IN_FLOAT) values = _mm512_castsi512_ps(round_to_bf16(values));
 #if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<W, at::BFloat16>) {
+    if constexpr (std::is_same_v<W, at::BFloat16>)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), (__m256i)_mm512_cvtneps_pbh(values));
-      continue;
-    }
+    else
 #endif
-    store16f(out + d, values);
+      store16f(out + d, values);
   }
 #elif defined(__AVX2__)
   for (; d + 8 <= D; d += 8) {
