@@ -559,9 +559,12 @@ async def stream_completion(
     return result
 
 
-async def start_streams(http: httpx.AsyncClient, url: str, model_name: str, n: int) -> list[asyncio.Task]:
+async def start_streams(
+    http: httpx.AsyncClient, url: str, model_name: str, n: int, generating: bool = True
+) -> list[asyncio.Task]:
     """n streams that start generating together (the engine sleeps, holding what it is sent, until all
-    are in), returned once each has received an event."""
+    are in), returned once each has received an event; or, not `generating`, once all are in and held by
+    the sleeping engine (none can finish before whatever the caller does next)."""
     assert (await http.post(f"{url}/sleep")).status_code == 200
     progress: dict[int, int] = {}
     started: set[int] = set()
@@ -575,6 +578,8 @@ async def start_streams(http: httpx.AsyncClient, url: str, model_name: str, n: i
     while len(started) < n:
         assert time.monotonic() < deadline and not [t.result() for t in tasks if t.done()]
         await asyncio.sleep(0.005)
+    if not generating:
+        return tasks
     assert (await http.post(f"{url}/wake_up")).status_code == 200
     while len(progress) < n:
         assert time.monotonic() < deadline and not [t.result() for t in tasks if t.done()]
@@ -614,7 +619,8 @@ def test_engine_restart_resumes_8_streams_then_a_death_past_the_budget_is_final(
             assert new_pid != pid
             assert metric(srv.url, "nanoserve:engine_restarts_total", rank="0") == 1
 
-            tasks = await start_streams(http, srv.url, model_name, 4)
+            # held, not generating: a tiny model's 400 tokens can all be out before a loaded test kills
+            tasks = await start_streams(http, srv.url, model_name, 4, generating=False)
             killed_at = time.monotonic()
             os.kill(new_pid, signal.SIGKILL)  # the budget is spent: this death is final
             ended = await asyncio.gather(*tasks)
