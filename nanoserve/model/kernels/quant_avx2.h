@@ -23,7 +23,8 @@
 namespace quant_isa {
 
 constexpr int64_t HALF = 8;  // columns per register
-constexpr int MAX_ROWS = 4;  // rows of x per pass: their sums and accumulators fill the 16 registers
+constexpr int MAX_ROWS = 4;   // rows of x per pass: their sums and accumulators fill the 16 registers
+constexpr int MAX_TILES = 1;  // tiles per pass: a second tile's sums would not fit
 
 inline __m256 half_to_float(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -156,9 +157,10 @@ void tile_rows_with(const Activations& x, const float* x_scales, const float* x_
 
 // tile_rows_with the quads from x's buffer where it has one (a matmul of more rows has none, the last block
 // of one or two rows included)
-template <int BITS, bool LOWS, int ROWS, typename T>
+template <int BITS, bool LOWS, int ROWS, int TILES, typename T>
 void tile_rows(const Activations& x, const float* x_scales, const float* x_sums, const uint8_t* codes,
                const at::Half* scales, T* out, int64_t k, int64_t n, int64_t tile, int64_t prefetch) {
+  static_assert(TILES == 1);
   if constexpr (ROWS <= BROADCAST_ROWS) {
     if (x.quads)
       return tile_rows_with<BITS, LOWS, ROWS, true>(x, x_scales, x_sums, codes, scales, out, k, n, tile, prefetch);
