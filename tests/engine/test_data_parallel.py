@@ -223,13 +223,15 @@ def test_both_engines_get_work_outputs_match_and_aborts_route():
             assert sorted(ranks.values()).count(0) == 8, ranks  # equal cost: an even split
             assert client.balancer.owners == {}
 
-            # aborts reach the engine that holds each request, on either rank
+            # aborts reach the engine that holds each request, on either rank. Asleep, the ranks hold their
+            # requests (the null runner would end one at its context length within a second): an abort
+            # sent to the wrong rank would leave its request held, unfinished
+            await client.sleep_async(1)
             long = [make_request(f"long-{i}", [1, 2, 3, i], max_tokens=10**6) for i in range(4)]
             for r in long:
                 await client.add_request_async(r)
             owners = {r.request_id: client.balancer.owner(r.request_id) for r in long}
             assert set(owners.values()) == {0, 1}
-            # sent right behind the adds: an abort sent to the wrong rank would leave its request running
             await client.abort_requests_async(list(owners))
             _, reasons, _, _ = await collect(client, set(owners))
             assert set(reasons.values()) == {FinishReason.ABORT}

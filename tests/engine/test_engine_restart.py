@@ -399,6 +399,9 @@ def test_a_utility_call_in_flight_at_the_death_fails_and_the_restarted_engine_an
     try:
         client.add_request(mixed_requests(1, max_tokens=10**6)[0])
         client.get_output(timeout=30)
+        # stopped, the engine cannot finish the request (the null runner would, at its context length, within
+        # a second) and so cannot answer the sleep before it is killed
+        os.kill(client.engine_pids()[0], signal.SIGSTOP)
         result: list = []
         waiter = threading.Thread(target=lambda: result.append(_capture(lambda: client.sleep(1, "wait"))))
         waiter.start()
