@@ -362,6 +362,18 @@ def test_kernel_draws_match_exact_sampling_over_a_real_sized_vocabulary(kernel_m
     assert total - agree <= 1, f"{total - agree} of {total} draws differ"
 
 
+@pytest.mark.parametrize("uniform", [0.0, 0.5, 0.99999994])
+def test_kernel_draws_at_the_ends_of_the_uniform_range_match_exact_sampling(kernel_module, uniform):
+    """Top-p over flat rows, where thousands of tokens are kept and the draw's target sits at the first or
+    the last of them."""
+    rows = 8
+    logits = (torch.randn(rows, 49152, generator=torch.Generator().manual_seed(5)) * 0.5).bfloat16().float()
+    tokens = kernel_module.sample_rows(
+        logits, [0.9] * rows, [0] * rows, [0.95] * rows, [0.0] * rows, torch.full((rows,), uniform)
+    ).tolist()
+    assert tokens == [exact_draw(logits[row], 0.9, 0, 0.95, 0.0, uniform) for row in range(rows)]
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("nan"), "all -inf"])
 def test_kernel_draws_stay_in_the_vocabulary_for_non_finite_logits(kernel_module, bad):
     vocab = 1000

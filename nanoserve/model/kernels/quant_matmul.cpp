@@ -90,7 +90,7 @@ constexpr auto tile_kernels(std::integer_sequence<int, R...>) {
 // (the lm_head) is read from memory once per chunk, not once per pass of rows. A chunk's first MAX_ROWS
 // rows read the codes from memory, and take them one tile at a time: one stream, fetched ahead. The rest
 // find them in L1 and take MAX_TILES tiles a pass (see tile_rows). Two tiles in the first pass too made
-// decode at 8-16 rows 0.80-0.88x as fast; as they are, batch 16-64 decoded 1.09-1.11x as fast as with one
+// decode at 8-16 rows 0.77-0.88x as fast; as they are, batch 16-64 decoded 1.09-1.11x as fast as with one
 // tile a pass throughout (int4, AMD Zen 5). x comes quantized (`shared`), or each thread quantizes it for
 // itself.
 template <int BITS, bool LOWS, typename T>
