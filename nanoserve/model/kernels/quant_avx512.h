@@ -25,21 +25,6 @@ inline __m512 half_to_float(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// The codes of one group of one tile as 8 vectors of u8 [16 columns, 4 inputs], quad by quad.
-template <int BITS>
-inline void load_group(const uint8_t* codes, __m512i quads[8]) {
-  if constexpr (BITS == 4) {
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
-    for (int v = 0; v < 4; ++v) {
-      const __m512i packed = _mm512_loadu_si512(codes + 64 * v);
-      quads[v] = _mm512_and_si512(packed, nibble);
-      quads[v + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-    }
-  } else {
-    for (int v = 0; v < 8; ++v) quads[v] = _mm512_loadu_si512(codes + 64 * v);
-  }
-}
-
 // Quads v and v + 4 of one group of one tile, u8 [16 columns, 4 inputs] each
 template <int BITS>
 inline void load_quad_pair(const uint8_t* group_codes, int v, __m512i& low, __m512i& high) {
@@ -52,6 +37,12 @@ inline void load_quad_pair(const uint8_t* group_codes, int v, __m512i& low, __m5
     low = _mm512_loadu_si512(group_codes + 64 * v);
     high = _mm512_loadu_si512(group_codes + 64 * (v + 4));
   }
+}
+
+// The codes of one group of one tile as 8 vectors of u8 [16 columns, 4 inputs], quad by quad.
+template <int BITS>
+inline void load_group(const uint8_t* codes, __m512i quads[8]) {
+  for (int v = 0; v < 4; ++v) load_quad_pair<BITS>(codes, v, quads[v], quads[v + 4]);
 }
 
 // out columns of TILES neighbouring tiles for ROWS rows of quantized x. With two tiles each activation

@@ -126,10 +126,10 @@ int64_t walk(const float* e, int64_t vocab, double target) {
 
 using Candidate = std::pair<float, int64_t>;  // (mass, token)
 
-// Heap order: the top is the largest mass, the lowest token among equal masses. A lambda, so that the heap
-// functions inline it (a function's address they call).
-constexpr auto comes_after = [](const Candidate& a, const Candidate& b) {
-  return a.first < b.first || (a.first == b.first && a.second > b.second);
+// The candidates' order: the largest mass first, the lowest token among equal masses. A lambda, so that the
+// sorts and partitions inline it (a function's address they call).
+constexpr auto comes_before = [](const Candidate& a, const Candidate& b) {
+  return a.first > b.first || (a.first == b.first && a.second < b.second);
 };
 
 // The token at the uniform's target among the first `kept` of ordered (largest mass first), target being
@@ -169,8 +169,7 @@ void top_k_tokens(const RowMasses& masses, int64_t k, std::vector<Candidate>& ca
     }
   }
   k = std::min<int64_t>(k, static_cast<int64_t>(candidates.size()));  // a guard: k blocks reach the floor
-  const auto better = [](const Candidate& a, const Candidate& b) { return comes_after(b, a); };
-  std::partial_sort(candidates.begin(), candidates.begin() + k, candidates.end(), better);
+  std::partial_sort(candidates.begin(), candidates.begin() + k, candidates.end(), comes_before);
   ordered.assign(candidates.begin(), candidates.begin() + k);
 }
 
@@ -204,7 +203,7 @@ inline bool reaches(double running, double target, bool inclusive) {
 // kept: ordering the kept ones (a heap of every token within 1e-8 of the maximum's mass, popped thousands
 // of times) took up to 2.4 ms a row over the flat rows of random-token prompts, 12 ms a batch-32 draw.
 Candidate* weighted_select(Candidate* first, Candidate* last, double target, bool inclusive) {
-  const auto before = [](const Candidate& a, const Candidate& b) { return comes_after(b, a); };
+  constexpr auto before = comes_before;
   Candidate* const whole_end = last;
   constexpr ptrdiff_t SMALL = 16;
   while (last - first > SMALL) {
