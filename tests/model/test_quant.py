@@ -61,12 +61,14 @@ def test_quant_matmul_equals_quantized_reference(kernels, bits, rows):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_quant_matmul_rows_come_out_the_same_in_any_batch(kernels, bits):
+@pytest.mark.parametrize("columns", [336, 12288])  # 12288: a thread's codes outgrow any L2 (2 MiB and under)
+def test_quant_matmul_rows_come_out_the_same_in_any_batch(kernels, bits, columns):
     """A row's outputs do not depend on the rows beside it, bit for bit: a chunk's first rows and the rest
-    go through different tile loops (one tile a pass, then two), with the same arithmetic per column."""
+    go through different tile loops (one tile a pass, then two), with the same arithmetic per column; the
+    chunks after the first start with two tiles where the codes stay in L2, with one where they do not."""
     needs_quant_matmul(kernels)
     torch.manual_seed(bits)
-    packed = pack_groups(group_codes(torch.randn(336, 576) * 0.05, bits), kernels.quant_matmul)
+    packed = pack_groups(group_codes(torch.randn(columns, 576) * 0.05, bits), kernels.quant_matmul)
     x = torch.randn(135, 576, dtype=torch.bfloat16)
     together = packed.matmul(x)
     alone = torch.cat([packed.matmul(x[row : row + 1]) for row in range(x.shape[0])])
