@@ -61,7 +61,7 @@ def test_quant_matmul_equals_quantized_reference(kernels, bits, rows):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("columns", [336, 12288])  # 12288: a thread's codes outgrow any L2 (2 MiB and under)
+@pytest.mark.parametrize("columns", [336, 12288])  # 12288: on 2 threads, each one's codes outgrow a 2 MiB L2
 def test_quant_matmul_rows_come_out_the_same_in_any_batch(kernels, bits, columns):
     """A row's outputs do not depend on the rows beside it, bit for bit: a chunk's first rows and the rest
     go through different tile loops (one tile a pass, then two), with the same arithmetic per column; the
