@@ -49,8 +49,12 @@ using quant_isa::MAX_TILES;
 using quant_isa::TILE;
 constexpr int64_t CHUNK_ROWS = 64;  // rows per pass over a thread's tiles (64 x K int8 stays in L1/L2)
 
-// Bytes of a core's L2 as the C library reads them from the CPU (0 where it cannot tell)
+// Bytes of a core's L2 as the C library reads them from the CPU (glibc; 0 where it cannot tell)
+#ifdef _SC_LEVEL2_CACHE_SIZE
 const int64_t l2_bytes = std::max<int64_t>(0, sysconf(_SC_LEVEL2_CACHE_SIZE));
+#else
+constexpr int64_t l2_bytes = 0;
+#endif
 
 // x's rows quantized to int8 per group of 32, with each group's scale and the sum of its values
 struct QuantizedRows {
