@@ -112,6 +112,8 @@ void quant_matmul_impl(const T* x, const QuantizedRows* shared, const uint8_t* c
   static constexpr auto wide =
       tile_kernels<BITS, LOWS, T, MAX_TILES>(std::make_integer_sequence<int, MAX_ROWS / MAX_TILES>{});
   const int64_t prefetch = prefetch_bytes.load(std::memory_order_relaxed);
+  // a tile's codes and scales (with their lows where there are any)
+  const int64_t bytes_per_tile = k * TILE * BITS / 8 + groups * TILE * (LOWS ? 2 : 1) * int64_t(sizeof(at::Half));
   split_balanced(0, n / TILE, 4, [&](int64_t begin, int64_t end) {
     const QuantizedRows q = shared ? *shared : quantized_here(x, rows * groups);
     const quant_isa::Activations activations = quant_isa::prepare_activations(q.xq, rows, k);
@@ -123,8 +125,7 @@ void quant_matmul_impl(const T* x, const QuantizedRows* shared, const uint8_t* c
                                                    q.sums + row * groups, codes, scales, out + row * n, k, n, tile,
                                                    row == from ? fetch : 0);
     };
-    const int64_t tile_bytes = k * TILE * BITS / 8 + groups * TILE * (LOWS ? 2 : 1) * int64_t(sizeof(at::Half));
-    const bool codes_stay_in_l2 = 4 * (end - begin) * tile_bytes <= 3 * l2_bytes;
+    const bool codes_stay_in_l2 = 4 * (end - begin) * bytes_per_tile <= 3 * l2_bytes;
     for (int64_t chunk = 0; chunk < rows; chunk += CHUNK_ROWS) {
       const int64_t chunk_end = std::min(rows, chunk + CHUNK_ROWS);
       const int64_t first_end = chunk > 0 && codes_stay_in_l2 ? chunk : std::min(chunk_end, chunk + MAX_ROWS);
