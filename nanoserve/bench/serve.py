@@ -384,6 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --compare-peers: comma-separated subset of the servers",
     )
     parser.add_argument(
+        "--input-len",
+        type=int,
+        default=None,
+        help="with --compare-peers: tokens in each of the client's random prompts (default 32)",
+    )
+    parser.add_argument(
         "--plot", default=None, metavar="FILE.png", help="draw tok/s and latency percentiles per concurrency"
     )
     return parser
@@ -400,8 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         from nanoserve.bench.serve_peers import compare_peers
 
         return compare_peers(parser, args)
-    if args.systems != parser.get_default("systems"):
-        parser.error("--systems needs --compare-peers")
+    for dest in ("systems", "input_len"):
+        if getattr(args, dest) != parser.get_default(dest):
+            parser.error(f"--{dest.replace('_', '-')} needs --compare-peers")
     if not args.compare_dp:
         stats, failed = run_levels(args)
         if args.plot:

@@ -103,6 +103,12 @@ def test_client_command_is_the_targets_load_and_saves_its_json_where_it_is_read(
     assert {"--save-result", "--ignore-eos"} <= set(cmd)
 
 
+def test_input_len_sets_the_clients_prompt_length(tmp_path):
+    args = serve.build_parser().parse_args(["--compare-peers", "--input-len", "1024"])
+    cmd = client_command(args, "http://127.0.0.1:8001", "m", tmp_path / "hf", (1, 8), tmp_path / "r.json")
+    assert cmd[cmd.index("--random-input-len") + 1] == "1024"
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -110,6 +116,8 @@ def test_client_command_is_the_targets_load_and_saves_its_json_where_it_is_read(
         (["--compare-peers", "--concurrency", "4"], "--concurrency does not apply to --compare-peers"),
         (["--compare-peers", "--systems", "vllm,tgi"], "unknown server(s): tgi"),
         (["--systems", "vllm"], "--systems needs --compare-peers"),
+        (["--input-len", "1024"], "--input-len needs --compare-peers"),
+        (["--compare-peers", "--input-len", "0"], "--input-len must be at least 1, got 0"),
     ],
 )
 def test_flags_that_do_not_apply_are_refused(argv, message, capsys):
