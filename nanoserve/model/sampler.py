@@ -108,11 +108,8 @@ class Sampler:
             if len(kept[i]) < spans[i][1]:  # one draw per kept token, as without drafts
                 generator.set_state(state)
                 torch.rand(len(kept[i]), generator=generator)
-        if len(kept_rows) == len(rows):
-            row_logprobs = _logprobs(raw_logits, token_ids, rows)
-        else:
-            index = torch.tensor(kept_rows)
-            row_logprobs = _logprobs(raw_logits[index], token_ids[index], [rows[k] for k in kept_rows])
+        all_logprobs = _logprobs(raw_logits, token_ids, rows)
+        row_logprobs = [all_logprobs[k] for k in kept_rows]
         logprobs: list[list[TokenLogprobs] | None] = []
         start = 0
         for request, tokens in zip(requests, kept, strict=True):
