@@ -274,10 +274,15 @@ class ModelRunner:
 
         model = self._loaded()
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        if num_tokens == len(chunks) and model.fused_decoder is not None:
-            # the fused decode step looks up what it needs itself: no attention metadata
+        if model.fused_decoder is not None and all(c.num_known_tokens == 1 for c in chunks):
+            # one decode row per token, a draft's row ending at the draft: the fused decode step looks up
+            # what it needs itself, with no attention metadata
+            row_block_table = block_table if num_tokens == len(chunks) else block_table.repeat(query_lens, 0)
             hidden = model.decode(
-                input_ids, self.kv_caches, torch.from_numpy(block_table), torch.from_numpy(seq_lens)
+                input_ids,
+                self.kv_caches,
+                torch.from_numpy(row_block_table),
+                torch.from_numpy(positions + 1),
             )
         else:
             attn = build_attention_metadata(
@@ -298,10 +303,10 @@ class ModelRunner:
         if not sampling:
             return RunnerOutput([], [], [], prompt_logprobs)
         drafts = [chunks[i].draft_token_ids for i in sampling]
-        if len(sampling) < num_tokens:
+        if len(sampling) + sum(map(len, drafts)) < num_tokens:
             rows = torch.from_numpy(_sampled_rows(np.cumsum(query_lens)[sampling], drafts)).to(self.device)
             hidden = hidden.index_select(0, rows)
-        # else every row is a sampling chunk's one new token, in order: the logits are all of hidden's
+        # else every row is a sampling chunk's last known token or a draft, in order: all of hidden
         logits = model.compute_logits(hidden).float().cpu()
         requests = [chunks[i].request for i in sampling]
         bitmask = scheduled.grammar_bitmask.result() if scheduled.grammar_bitmask is not None else None
