@@ -248,6 +248,26 @@ class ModelRunner:
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         copy_kv_blocks(self.kv_caches, scheduled.block_copies)
         chunks = scheduled.chunks
+        hidden = self._forward(chunks)
+        prompt_logprobs = self._prompt_logprobs(chunks, hidden)
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        if not sampling:
+            return RunnerOutput([], [], [], prompt_logprobs)
+        drafts = [chunks[i].draft_token_ids for i in sampling]
+        if len(sampling) + sum(map(len, drafts)) < len(hidden):
+            chunk_ends = np.cumsum([c.num_new_tokens for c in chunks])[sampling]
+            rows = torch.from_numpy(_sampled_rows(chunk_ends, drafts)).to(self.device)
+            hidden = hidden.index_select(0, rows)
+        # else every row is a sampling chunk's last known token or a draft, in order: all of hidden
+        logits = self._loaded().compute_logits(hidden).float().cpu()
+        requests = [chunks[i].request for i in sampling]
+        bitmask = scheduled.grammar_bitmask.result() if scheduled.grammar_bitmask is not None else None
+        token_lists, logprobs = self.sampler.sample_and_verify(logits, requests, drafts, bitmask)
+        return RunnerOutput([r.request_id for r in requests], token_lists, logprobs, prompt_logprobs)
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """The chunks' tokens, request after request (known tokens, then drafts), through the model ->
+        final hidden states [tokens, hidden]; their K/V go into the cache."""
         query_lens = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(chunks))
         starts = np.fromiter(
             (c.request.num_computed_tokens for c in chunks), dtype=np.int64, count=len(chunks)
@@ -278,40 +298,24 @@ class ModelRunner:
             # one decode row per token, a draft's row ending at the draft: the fused decode step looks up
             # what it needs itself, with no attention metadata
             row_block_table = block_table if num_tokens == len(chunks) else block_table.repeat(query_lens, 0)
-            hidden = model.decode(
+            return model.decode(
                 input_ids,
                 self.kv_caches,
                 torch.from_numpy(row_block_table),
                 torch.from_numpy(positions + 1),
             )
-        else:
-            attn = build_attention_metadata(
-                query_lens,
-                seq_lens,
-                block_table,
-                self.options.block_size,
-                self.device,
-                self.kernels,
-                self.max_decode_query_len,
-                self.flash_min_query_len,
-            )
-            positions_t = torch.from_numpy(positions).to(self.device, non_blocking=True)
-            hidden = model(input_ids, positions_t, self.kv_caches, attn)
-
-        prompt_logprobs = self._prompt_logprobs(chunks, hidden)
-        sampling = [i for i, c in enumerate(chunks) if c.samples]
-        if not sampling:
-            return RunnerOutput([], [], [], prompt_logprobs)
-        drafts = [chunks[i].draft_token_ids for i in sampling]
-        if len(sampling) + sum(map(len, drafts)) < num_tokens:
-            rows = torch.from_numpy(_sampled_rows(np.cumsum(query_lens)[sampling], drafts)).to(self.device)
-            hidden = hidden.index_select(0, rows)
-        # else every row is a sampling chunk's last known token or a draft, in order: all of hidden
-        logits = model.compute_logits(hidden).float().cpu()
-        requests = [chunks[i].request for i in sampling]
-        bitmask = scheduled.grammar_bitmask.result() if scheduled.grammar_bitmask is not None else None
-        token_lists, logprobs = self.sampler.sample_and_verify(logits, requests, drafts, bitmask)
-        return RunnerOutput([r.request_id for r in requests], token_lists, logprobs, prompt_logprobs)
+        attn = build_attention_metadata(
+            query_lens,
+            seq_lens,
+            block_table,
+            self.options.block_size,
+            self.device,
+            self.kernels,
+            self.max_decode_query_len,
+            self.flash_min_query_len,
+        )
+        positions_t = torch.from_numpy(positions).to(self.device, non_blocking=True)
+        return model(input_ids, positions_t, self.kv_caches, attn)
 
     def _prompt_logprobs(
         self, chunks: list[ScheduledChunk], hidden: torch.Tensor
