@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import gc
 import logging
 import os
 import queue
@@ -42,6 +41,7 @@ import msgspec
 import zmq
 
 from nanoserve.config import EngineOptions
+from nanoserve.startup_gc import collector_paused
 from nanoserve.wire.codec import MsgpackDecoder, MsgpackEncoder
 from nanoserve.wire.messages import (
     ENGINE_CORE_DEAD,
@@ -143,13 +143,12 @@ class EngineCoreProc:
         self.input_socket.send_multipart(frames)
 
     def build_engine(self) -> None:
-        from nanoserve.core.engine_core import EngineCore
-
         self.send_phase("started")
-        self.engine = EngineCore(self.options, self.engine_rank, on_phase=self.send_phase)
-        # what is built so far lives as long as the process: keep the cyclic GC from rescanning it
-        gc.collect()
-        gc.freeze()
+        # what is built here lives as long as the process: collect once at the end, then freeze it
+        with collector_paused(freeze=True):
+            from nanoserve.core.engine_core import EngineCore
+
+            self.engine = EngineCore(self.options, self.engine_rank, on_phase=self.send_phase)
         self.send_phase("ready", self.engine.ready_response)
 
     def start_threads(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from nanoserve.engine.core_client.base import EngineCoreClient
 from nanoserve.model_files import eos_token_ids, generation_defaults, load_tokenizer
+from nanoserve.startup_gc import collector_paused
 
 
 class FrontendFiles(NamedTuple):
@@ -37,7 +38,10 @@ def start_engine(
     """make_client()'s engine core client and the model's frontend files, read while it starts. Where the
     files fail to read, the started engine core is shut down before the error is raised; where the engine
     fails to start, its error is raised once the files' thread is done."""
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-model-files") as pool:
+    with (
+        collector_paused(),
+        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-model-files") as pool,
+    ):
         files = pool.submit(read_frontend_files, model_path)
         engine_core = make_client()
         try:

@@ -3,6 +3,7 @@ engine process behind."""
 
 from __future__ import annotations
 
+import gc
 import shutil
 import threading
 
@@ -60,3 +61,17 @@ def test_a_model_without_a_tokenizer_leaves_no_engine_process(tiny_gqa_dir, tmp_
         shutil.copy(tiny_gqa_dir / name, folder / name)
     with pytest.raises(FileNotFoundError, match="No tokenizer files"):
         LLM(model=str(folder), dtype="float32")
+
+
+def test_the_engine_starts_with_the_cyclic_collector_paused(monkeypatch):
+    """Start-up makes hundreds of thousands of lasting objects; full collections among them are skipped."""
+    seen = []
+
+    def make_client():
+        seen.append(gc.isenabled())
+        return StartedClient()
+
+    monkeypatch.setattr(startup, "read_frontend_files", lambda path: startup.FrontendFiles("t", {}, ()))
+    startup.start_engine("model", make_client)
+    assert seen == [False]
+    assert gc.isenabled()

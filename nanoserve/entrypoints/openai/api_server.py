@@ -53,6 +53,7 @@ from nanoserve.entrypoints.openai.middleware import (
 from nanoserve.entrypoints.openai.openapi import use_truthful_openapi
 from nanoserve.entrypoints.openai.serving import OpenAIServing
 from nanoserve.entrypoints.openai.web import STATS_PATH, mount_web
+from nanoserve.startup_gc import collector_paused
 from nanoserve.tool_parsers import PARSERS, get_parser
 
 logger = logging.getLogger("nanoserve.server")
@@ -211,7 +212,8 @@ def serve(engine_options: EngineOptions, options: ServerOptions) -> int:
 
 
 async def _serve(engine_options: EngineOptions, options: ServerOptions) -> int:
-    engine = AsyncLLM.from_options(engine_options)
+    with collector_paused(freeze=True):  # the client and its tokenizer live as long as the server
+        engine = AsyncLLM.from_options(engine_options)
     exit_code = 0
     try:
         stat_logger = PrometheusStatLogger(
