@@ -4,8 +4,8 @@ chat template, the end-of-sequence ids and the generation defaults.
 The API server tokenizes in a process that never runs the model, so none of this may import torch or
 nanoserve.model. transformers' AutoTokenizer would (its config classes import torch), so a folder's
 tokenizer class is taken by name from tokenizer_config.json, and a GGUF file's vocabulary goes through
-transformers' GGUF tokenizer builder directly, with the metadata read by the `gguf` package. The model
-loader reads paths, names and GGUF metadata from here too.
+transformers' GGUF tokenizer builder directly, with the metadata read by nanoserve.gguf_header. The
+model loader reads paths, names and GGUF metadata from here too.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import importlib.util
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    from nanoserve.gguf_header import GGUFHeader
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _QUANT_SUFFIX = re.compile(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORECASE)
@@ -90,29 +91,23 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=2)
-def gguf_reader(path: str):
-    """Parsing the header takes seconds (the token list), so every reader of one file shares it."""
-    import gguf
+def gguf_header(path: str) -> GGUFHeader:
+    """Every reader of one file shares its parsed header (its tensors map the file)."""
+    from nanoserve.gguf_header import GGUFHeader
 
-    return gguf.GGUFReader(path)
-
-
-def _field_value(field) -> Any:
-    value = field.contents()
-    return value.item() if isinstance(value, np.generic) else value
+    return GGUFHeader(path)
 
 
 def gguf_metadata(path: str) -> dict[str, Any]:
     """Every metadata key -> value, but the tokenizer's vocabulary arrays (see load_tokenizer)."""
     vocab_keys = {f"tokenizer.ggml.{name}" for name in _GGUF_VOCAB_ARRAYS}
-    fields = gguf_reader(path).fields
-    return {key: _field_value(field) for key, field in fields.items() if key not in vocab_keys}
+    return {key: value for key, value in gguf_header(path).fields.items() if key not in vocab_keys}
 
 
 def gguf_vocab_size(path: str) -> int | None:
     """The length of the tokenizer's token list, where the file has one."""
-    tokens = gguf_reader(path).fields.get("tokenizer.ggml.tokens")
-    return None if tokens is None else len(tokens.data)
+    tokens = gguf_header(path).fields.get("tokenizer.ggml.tokens")
+    return None if tokens is None else len(tokens)
 
 
 # -- tokenizer --------------------------------------------------------------------------------
@@ -147,19 +142,17 @@ def _gguf_tokenizer(path: str):
     )
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    fields = gguf_reader(path).fields
+    fields = gguf_header(path).fields
 
     def group(name: str) -> dict[str, Any]:
         keys = GGUF_TOKENIZER_MAPPING[name].items()
-        return {
-            new: _field_value(fields[f"tokenizer.{key}"]) for key, new in keys if f"tokenizer.{key}" in fields
-        }
+        return {new: fields[f"tokenizer.{key}"] for key, new in keys if f"tokenizer.{key}" in fields}
 
     vocab, config = group("tokenizer"), group("tokenizer_config")
     for name, key in _GGUF_SPECIAL_TOKENS.items():
         token_id = fields.get(f"tokenizer.ggml.{key}")
-        config[name] = vocab["tokens"][_field_value(token_id)] if token_id is not None else None
-    backend, extra = convert_gguf_tokenizer(_field_value(fields["general.architecture"]), vocab)
+        config[name] = vocab["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(fields["general.architecture"], vocab)
     return TokenizersBackend(tokenizer_object=backend, **config, **extra)
 
 

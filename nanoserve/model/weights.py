@@ -20,7 +20,7 @@ from nanoserve.model.config import GGUFInfo, ModelConfig
 from nanoserve.model.family import ModelFamily
 from nanoserve.model.gguf_codes import BLOCK_BYTES, gguf_codes
 from nanoserve.model.quant import GroupCodes
-from nanoserve.model_files import gguf_metadata, gguf_reader, gguf_vocab_size
+from nanoserve.model_files import gguf_header, gguf_metadata, gguf_vocab_size
 
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 """Tested; others the gguf package dequantizes (K-quants ...) load too."""
@@ -57,7 +57,7 @@ def hf_weights(path: str, family: ModelFamily) -> Iterator[tuple[str, torch.Tens
 def gguf_info(path: str) -> GGUFInfo:
     from gguf.quants import dequantize
 
-    tensors = {t.name.removesuffix(".weight"): t for t in gguf_reader(path).tensors}
+    tensors = {t.name.removesuffix(".weight"): t for t in gguf_header(path).tensors}
     config_tensors = {
         name: dequantize(np.asarray(tensors[name].data), tensors[name].tensor_type).reshape(-1).tolist()
         for name in GGUF_CONFIG_TENSORS
@@ -86,7 +86,7 @@ def gguf_weights(
     """code_bits: the tensors of a Q4_0/Q4_1 (4) or Q8_0 (8) type with these bits come as GroupCodes."""
     from gguf import GGMLQuantizationType
 
-    for t in gguf_reader(path).tensors:
+    for t in gguf_header(path).tensors:
         parts = t.name.split(".")  # blk.N.attn_q.weight | token_embd.weight
         layer, base, kind = (
             (parts[1], parts[2], parts[3]) if parts[0] == "blk" else (None, parts[0], parts[1])
