@@ -65,6 +65,12 @@ class GGUFHeader:
             self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         self._buffer = memoryview(self._map)
         self._offset = 0
+        try:
+            self._read(path)
+        except (struct.error, UnicodeDecodeError) as e:
+            raise ValueError(f"{path!r} has a truncated or corrupt GGUF header: {e}") from e
+
+    def _read(self, path: str) -> None:
         magic, version = self._unpack("<II")
         if magic != GGUF_MAGIC:
             raise ValueError(f"{path!r} is not a GGUF file (magic {magic:#010x}).")
@@ -81,7 +87,7 @@ class GGUFHeader:
             self.fields[key] = self._value(GGUFValueType(self._unpack("<I")[0]))
         infos = [self._tensor_info() for _ in range(num_tensors)]
         alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"{path!r} has an invalid general.alignment {alignment!r}.")
         start = -(-self._offset // alignment) * alignment
         self.tensors = [self._tensor(start, *info) for info in infos]
@@ -97,6 +103,8 @@ class GGUFHeader:
         (length,) = self._unpack("<Q")
         start = self._offset
         self._offset += length
+        if self._offset > len(self._buffer):
+            raise struct.error(f"a string of {length} bytes at offset {start} runs past the end")
         return str(self._buffer[start : self._offset], "utf-8")
 
     def _value(self, value_type: GGUFValueType) -> Any:

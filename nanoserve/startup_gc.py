@@ -13,22 +13,39 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from collections.abc import Generator
+
+_paused_here = False
+"""Whether collector_paused turned the collector off (and so must turn it on again)."""
 
 
 @contextlib.contextmanager
 def collector_paused(freeze: bool = False) -> Generator[None]:
-    """Pause the cyclic collector for the block; with `freeze`, collect once after it and freeze the
-    survivors. Where the collector is already off, paused by an outer block or by the user, it is left
-    to them."""
+    """Pause the cyclic collector for the block; with `freeze`, once the block has run, collect once and
+    freeze the survivors. Where the collector is already off, paused by an outer block or by the user, it
+    is left to them. A process forked inside the block starts with the collector on."""
+    global _paused_here
     if not gc.isenabled():
         yield
         return
     gc.disable()
+    _paused_here = True
     try:
         yield
-    finally:
         if freeze:
             gc.collect()
             gc.freeze()
+    finally:
+        _paused_here = False
         gc.enable()
+
+
+def _resume_in_child() -> None:
+    global _paused_here
+    if _paused_here:
+        _paused_here = False
+        gc.enable()
+
+
+os.register_at_fork(after_in_child=_resume_in_child)

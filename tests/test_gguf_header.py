@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import struct
 
 import gguf
@@ -53,10 +54,13 @@ def write_every_kind(path, alignment: int | None = None) -> None:
     writer.add_array("t.floats", [0.5, -1.25])
     writer.add_array("t.strings", ["a", "", "ĠThe", "<|im_end|>"])
     writer.add_array("t.bools", [True, False])
+    writer.add_array("t.nested", [[1, 2], [3]])
+    writer.add_key_value("t.big", [2**63 + 1, 7], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT64)
     rng = np.random.default_rng(0)
     writer.add_tensor("f32", rng.standard_normal((3, 64)).astype(np.float32))
     writer.add_tensor("f16", rng.standard_normal((2, 5)).astype(np.float16))
-    writer.add_tensor("i32", np.arange(7, dtype=np.int32))
+    for dtype in (np.int8, np.int16, np.int32, np.int64, np.float64):
+        writer.add_tensor(np.dtype(dtype).name, np.arange(-3, 4, dtype=dtype).reshape(1, 7))
     for name, qtype in (("q4_0", "Q4_0"), ("q4_1", "Q4_1"), ("q8_0", "Q8_0"), ("bf16", "BF16")):
         ggml_type = gguf.GGMLQuantizationType[qtype]
         weights = rng.standard_normal((4, 64)).astype(np.float32)
@@ -67,11 +71,32 @@ def write_every_kind(path, alignment: int | None = None) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("alignment", [None, 64])
-def test_every_value_type_and_tensor_type_reads_as_the_gguf_package_reads_it(tmp_path, alignment):
+@pytest.mark.parametrize(("alignment", "version"), [(None, 3), (64, 3), (None, 2)])
+def test_every_value_type_and_tensor_type_reads_as_the_gguf_package_reads_it(tmp_path, alignment, version):
     path = tmp_path / "every-kind.gguf"
     write_every_kind(path, alignment)
+    with open(path, "r+b") as f:  # version 2 has version 3's layout
+        f.seek(4)
+        f.write(struct.pack("<I", version))
     assert_same_as_gguf(str(path))
+    assert GGUFHeader(str(path)).fields["t.nested"] == [1, 2, 3]  # flattened, as GGUFReader does
+
+
+def test_tensor_data_outlives_the_header(tmp_path):
+    path = tmp_path / "every-kind.gguf"
+    write_every_kind(path)
+    data = {t.name: t.data for t in GGUFHeader(str(path)).tensors}
+    gc.collect()
+    assert data["int64"].tolist() == [list(range(-3, 4))]
+
+
+def test_a_truncated_file_is_refused_by_name(tmp_path):
+    path = tmp_path / "every-kind.gguf"
+    write_every_kind(path)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:200])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        GGUFHeader(str(path))
 
 
 @settings(max_examples=25, deadline=None)

@@ -4,6 +4,7 @@ left alone where someone else paused it."""
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import pytest
@@ -25,9 +26,11 @@ def garbage_cycle() -> weakref.ref:
 
 @pytest.fixture(autouse=True)
 def collector_restored():
+    enabled, frozen = gc.isenabled(), gc.get_freeze_count()
     yield
-    gc.unfreeze()
-    gc.enable()
+    if gc.get_freeze_count() > frozen:
+        gc.unfreeze()
+    (gc.enable if enabled else gc.disable)()
 
 
 def test_the_collector_is_paused_for_the_block_and_takes_its_garbage_afterwards():
@@ -62,3 +65,27 @@ def test_a_collector_paused_by_someone_else_is_left_to_them():
     assert not gc.isenabled()
     assert cycle() is not None, "no collection ran: the outer pause collects when it ends"
     assert gc.get_freeze_count() == frozen
+
+
+def test_a_block_that_raises_turns_the_collector_on_again_and_freezes_nothing():
+    frozen = gc.get_freeze_count()
+    with pytest.raises(SystemExit), collector_paused(freeze=True):
+        raise SystemExit(0)
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == frozen
+
+
+@pytest.mark.timeout(30)
+def test_a_process_forked_inside_the_block_starts_with_the_collector_on():
+    with collector_paused():
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child reports its collector's state and leaves at once
+            os.write(write, b"1" if gc.isenabled() else b"0")
+            os._exit(0)
+        os.close(write)
+        child_state = os.read(read, 1)
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert not gc.isenabled()
+    assert child_state == b"1"

@@ -1,10 +1,10 @@
 """A frontend's start: the engine core and the model's files load side by side.
 
 A multiprocess engine core spends seconds in its child process importing torch and loading the weights,
-while the frontend's thread only waits for its handshake; a GGUF file's header takes seconds to parse
-(its whole vocabulary and merges) before the frontend has its tokenizer, generation defaults and stop
-ids. Reading those on a thread of its own meanwhile makes the start the longer of the two rather than
-their sum.
+while the frontend's thread only waits for its handshake; building the tokenizer from a GGUF file's
+vocabulary and merges takes most of a second before the frontend has its tokenizer, generation defaults
+and stop ids. Reading those on a thread of its own meanwhile makes the start the longer of the two
+rather than their sum.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ def read_frontend_files(model_path: str) -> FrontendFiles:
 def start_engine(
     model_path: str, make_client: Callable[[], EngineCoreClient]
 ) -> tuple[EngineCoreClient, FrontendFiles]:
-    """make_client()'s engine core client and the model's frontend files, read while it starts. Where the
-    files fail to read, the started engine core is shut down before the error is raised; where the engine
-    fails to start, its error is raised once the files' thread is done."""
+    """make_client()'s engine core client and the model's frontend files, read while it starts, with the
+    cyclic collector paused (nanoserve.startup_gc). Where the files fail to read, the started engine core
+    is shut down before the error is raised; where the engine fails to start, its error is raised once the
+    files' thread is done."""
     with (
         collector_paused(),
         concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-model-files") as pool,
