@@ -2,7 +2,7 @@
 
 gguf's `GGUFReader` makes a numpy view for every part of every value, so a vocabulary of 49,152 tokens
 and as many merges costs it 1.3-1.8 s on a Zen 5, on the start-up path of both the engine core and the
-frontend. Here the values are unpacked with `struct` (about 0.1 s for the same header), and the type
+frontend. Here the values are unpacked with `struct` (about 0.06 s for the same header), and the type
 codes, sizes and tensor byte shapes still come from the gguf package. The values match what
 `GGUFReader`'s `ReaderField.contents()` gives (an array of arrays flattened, as it does), and each
 tensor's `data` has the dtype and shape `GGUFReader` gives it, so `gguf.quants.dequantize` reads it.
@@ -68,7 +68,7 @@ class GGUFHeader:
         try:
             self._read(path)
         except (struct.error, UnicodeDecodeError) as e:
-            raise ValueError(f"{path!r} has a truncated or corrupt GGUF header: {e}") from e
+            raise ValueError(f"{path!r} is a truncated or corrupt GGUF file: {e}") from e
 
     def _read(self, path: str) -> None:
         magic, version = self._unpack("<II")
@@ -139,5 +139,7 @@ class GGUFHeader:
             numpy_shape = quant_shape_to_byte_shape(numpy_shape, tensor_type)
         else:
             count = num_elements
+        if start + offset + count * np.dtype(dtype).itemsize > len(self._map):
+            raise struct.error(f"tensor {name!r} runs past the end of the file")
         data = np.frombuffer(self._map, dtype, count, start + offset).reshape(numpy_shape)
         return GGUFTensor(name, tensor_type, shape, data)

@@ -90,12 +90,12 @@ def test_tensor_data_outlives_the_header(tmp_path):
     assert data["int64"].tolist() == [list(range(-3, 4))]
 
 
-def test_a_truncated_file_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("keep", [200, -10], ids=["in-the-metadata", "in-the-last-tensor"])
+def test_a_truncated_file_is_refused_by_name(tmp_path, keep):
     path = tmp_path / "every-kind.gguf"
     write_every_kind(path)
-    whole = path.read_bytes()
-    path.write_bytes(whole[:200])
-    with pytest.raises(ValueError, match="truncated or corrupt"):
+    path.write_bytes(path.read_bytes()[:keep])
+    with pytest.raises(ValueError, match="every-kind.gguf' is a truncated or corrupt GGUF file"):
         GGUFHeader(str(path))
 
 
