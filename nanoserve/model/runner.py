@@ -274,8 +274,9 @@ class ModelRunner:
         )
         seq_lens = starts + query_lens
         num_tokens = sum(c.num_new_tokens for c in chunks)
+        plain_decode = num_tokens == len(chunks)  # one token per request, no drafts
 
-        if num_tokens == len(chunks):  # decode-only: one token per request
+        if plain_decode:
             token_ids = [c.request.all_token_ids[c.request.num_computed_tokens] for c in chunks]
             positions = starts
         else:
@@ -294,10 +295,10 @@ class ModelRunner:
 
         model = self._loaded()
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        if model.fused_decoder is not None and all(c.num_known_tokens == 1 for c in chunks):
+        if model.fused_decoder is not None and (plain_decode or all(c.num_known_tokens == 1 for c in chunks)):
             # one decode row per token, a draft's row ending at the draft: the fused decode step looks up
             # what it needs itself, with no attention metadata
-            row_block_table = block_table if num_tokens == len(chunks) else block_table.repeat(query_lens, 0)
+            row_block_table = block_table if plain_decode else block_table.repeat(query_lens, 0)
             return model.decode(
                 input_ids,
                 self.kv_caches,
