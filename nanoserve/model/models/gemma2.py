@@ -6,35 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor, nn
+from torch import Tensor
 
-from nanoserve.model.attention import AttentionMetadata
 from nanoserve.model.config import GGUFInfo, ModelConfig, gguf_base, hf_base, hf_sliding_windows
 from nanoserve.model.family import GGUF_NAMES, ModelFamily
 from nanoserve.model.layers.causal_lm import CausalLM
-from nanoserve.model.layers.mlp import GatedMLP
-from nanoserve.model.layers.norm import RMSNorm
-from nanoserve.model.layers.self_attention import SelfAttention
-
-
-class GemmaDecoderLayer(nn.Module):
-    """x + post_norm(attn(norm(x))), then x + post_norm(mlp(pre_norm(x))) (Gemma 2 and 3)."""
-
-    def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = SelfAttention(config, layer)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
-        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_act)
-        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
-
-    def forward(self, x: Tensor, cos_sin: Tensor, kv_cache: Tensor, attn: AttentionMetadata) -> Tensor:
-        x = x + self.post_attention_layernorm(
-            self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, attn)
-        )
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+from nanoserve.model.layers.decoder import GemmaDecoderLayer
 
 
 class Gemma2ForCausalLM(CausalLM):

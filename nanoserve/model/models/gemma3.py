@@ -9,9 +9,9 @@ from typing import Any
 from nanoserve.model.config import GGUFInfo, ModelConfig, gguf_base, hf_base, hf_rope, hf_sliding_windows
 from nanoserve.model.family import ModelFamily
 from nanoserve.model.layers.causal_lm import CausalLM
+from nanoserve.model.layers.decoder import GemmaDecoderLayer
 from nanoserve.model.models.gemma2 import (
     GEMMA_GGUF_NAMES,
-    GemmaDecoderLayer,
     gemma_fields,
     gguf_fields,
     norm_plus_one,
