@@ -1,7 +1,7 @@
 """The fused decode step (nanoserve/model/layers/fused_decoder.py) against the module path it replaces.
 
 Greedy ids must be the module path's token for token (the fused step runs the same kernels in the same
-order, so it is exact, bf16 included) on every Llama-shaped family of tests/model/families.py, in float32
+order, so it is exact, bf16 included) on every Llama- and Gemma-shaped family of tests/model/families.py, in float32
 and bfloat16, unquantized and int4, at batch 1 and in batches, under chunked prefill and preemption and
 with prefix-cache hits; and on the bundled model. In float32 both also match transformers
 (tests/model/test_families.py runs the engine, fused path included, against it). A step that runs in one
@@ -31,8 +31,11 @@ FUSED_SHAPES = (
     "qwen3-mha-untied",
     "phi3-window-short",
     "phi3-longrope-long",
+    "gemma2-gqa",
+    "gemma2-mha-untied",
+    "gemma3",
 )
-"""Every shape whose layers are the plain Llama shape; the others keep the module path."""
+"""Every shape whose layers are the Llama or the Gemma shape; the others keep the module path."""
 LENGTHS = (17, 40, 28, 21, 33, 19, 25, 18)
 """Longer than the windows and than LongRoPE's pretraining length (tests/model/families.py)."""
 

@@ -1,8 +1,10 @@
-// FusedDecoder: a decode step of a Llama-shaped model (Llama, Mistral, Qwen2, Qwen3, Phi-3 with full rotation)
-// from token ids to the final norm, in one call from Python: the embedding and rotary rows and each new
-// token's cache slot are looked up here, then per layer:
-//   norm -> qkv (+ bias) -> q/k norms -> rope + KV write -> decode attention -> o_proj (+ bias) + residual
-//   -> norm -> gate_up -> act(gate) * up -> down + residual
+// FusedDecoder: a decode step of a Llama-shaped model (Llama, Mistral, Qwen2, Qwen3, Phi-3 with full rotation,
+// Gemma 2 and 3) from token ids to the final norm, in one call from Python: the embedding (scaled, for Gemma)
+// and rotary rows and each new token's cache slot are looked up here, then per layer:
+//   norm -> qkv (+ bias) -> q/k norms -> rope + KV write -> decode attention -> o_proj (+ bias) (-> norm)
+//   + residual -> norm -> gate_up -> act(gate) * up -> down (-> norm) + residual
+// where the norms in brackets are Gemma's, of each block's output, and a layer rotates by one of two tables
+// (Gemma 3's sliding-window layers have a rotary base of their own).
 // Each stage is the kernel the module path runs for the same step, with the same per-step-size matmul
 // choice, so the two give the same bits; what goes away is the interpreter, the nn.Module calls and the
 // Python bindings between the stages (about 330 small ops per step for SmolLM2-135M, as much time as its
@@ -104,11 +106,17 @@ struct FusedMatmul {
 };
 
 struct FusedLayer {
-  at::Tensor input_norm, post_attention_norm;
+  at::Tensor input_norm, mlp_norm;  // of the residual stream, before the attention and before the MLP
   std::optional<at::Tensor> q_norm, k_norm;
+  std::optional<at::Tensor> attention_output_norm, mlp_output_norm;  // Gemma: each block's output, before its add
   FusedMatmul qkv, o_proj, gate_up, down;
-  std::string activation;  // silu or gelu_tanh
-  int64_t window = 0;      // 0: the whole context
+  std::string activation;     // silu or gelu_tanh
+  int64_t window = 0;         // 0: the whole context
+  bool local_rotary = false;  // rotates by the decoder's local table
+
+  std::array<const std::optional<at::Tensor>*, 4> optional_norms() const {
+    return {&q_norm, &k_norm, &attention_output_norm, &mlp_output_norm};
+  }
 
   std::array<const FusedMatmul*, 4> matmuls() const { return {&qkv, &o_proj, &gate_up, &down}; }
 };
@@ -119,22 +127,29 @@ struct FusedLayer {
 template <typename T>
 struct RegionLayer {
   RegionMatmul<T> qkv, o_proj, gate_up, down;
-  const T *input_norm, *post_attention_norm, *q_norm, *k_norm;  // q_norm, k_norm: both set (Qwen3) or both null
+  const T *input_norm, *mlp_norm, *q_norm, *k_norm;  // q_norm, k_norm: both set (Qwen3, Gemma 3) or both null
+  const T *attention_output_norm, *mlp_output_norm;  // or null
   bool gelu;
   int64_t window;
+  bool local_rotary;
 };
 
 class FusedDecoder {
  public:
+  // local_rotary: the table of the layers that say local_rotary (else rotary); embed_scale: what the embeddings
+  // are multiplied by, in their dtype (Gemma), or none
   FusedDecoder(std::vector<FusedLayer> layers, at::Tensor final_norm, at::Tensor embedding, at::Tensor rotary,
-               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, double softcap)
+               std::optional<at::Tensor> local_rotary, std::optional<double> embed_scale, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, double eps, double scale, double softcap)
       : layers_(std::move(layers)), final_norm_(std::move(final_norm)), embedding_(std::move(embedding)),
-        rotary_(std::move(rotary)), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
-        eps_(eps), scale_(scale), softcap_(softcap) {
+        rotary_(std::move(rotary)), local_rotary_(local_rotary.value_or(rotary_)), embed_scale_(embed_scale),
+        num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        softcap_(softcap) {
     TORCH_CHECK(embedding_.dim() == 2 && embedding_.is_contiguous(), "FusedDecoder: a contiguous embedding");
-    TORCH_CHECK(rotary_.dim() == 3 && rotary_.size(1) == 2 && rotary_.size(2) == head_dim_ && rotary_.is_contiguous() &&
-                    rotary_.scalar_type() == embedding_.scalar_type(),
-                "FusedDecoder: a rotary table [positions, 2, head_dim] in the embedding's dtype");
+    for (const at::Tensor* table : {&rotary_, &local_rotary_})
+      TORCH_CHECK(table->dim() == 3 && table->size(1) == 2 && table->size(2) == head_dim_ && table->is_contiguous() &&
+                      table->scalar_type() == embedding_.scalar_type() && table->size(0) == rotary_.size(0),
+                  "FusedDecoder: rotary tables [positions, 2, head_dim] in the embedding's dtype");
     if (!weights_fit_one_region()) return;
     if (final_norm_.scalar_type() == at::kFloat)
       float_layers_ = region_layers<float>();
@@ -148,19 +163,17 @@ class FusedDecoder {
   at::Tensor forward(const at::Tensor& token_ids, const std::vector<at::Tensor>& kv_caches,
                      const at::Tensor& block_table, const at::Tensor& seq_lens) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "FusedDecoder: one KV cache per layer");
-    auto [x, cos_sin, slot_mapping] = step_inputs(token_ids, kv_caches[0].size(3), block_table, seq_lens);
-    if (one_region && one_region_at(x.size(0)) &&
-        inputs_fit_one_region(x, cos_sin, kv_caches, slot_mapping, block_table, seq_lens)) {
+    const StepInputs in = step_inputs(token_ids, kv_caches[0].size(3), block_table, seq_lens);
+    if (one_region && one_region_at(in.x.size(0)) && inputs_fit_one_region(in, kv_caches, block_table, seq_lens)) {
       ++region_steps_;
-      return with_attention_types(x.scalar_type(), kv_caches[0].scalar_type(), [&](auto t, auto kv) {
-        return forward_in_one_region<decltype(t), decltype(kv)>(x, cos_sin, kv_caches, slot_mapping, block_table,
-                                                                seq_lens);
+      return with_attention_types(in.x.scalar_type(), kv_caches[0].scalar_type(), [&](auto t, auto kv) {
+        return forward_in_one_region<decltype(t), decltype(kv)>(in, kv_caches, block_table, seq_lens);
       });
     }
     auto attend = [&](const at::Tensor& q, const at::Tensor& cache, int64_t window) {
       return paged_decode_attention(q, cache, block_table, seq_lens, scale_, window, softcap_);
     };
-    return kernel_after_kernel(x, cos_sin, kv_caches, slot_mapping, attend);
+    return kernel_after_kernel(in, kv_caches, attend);
   }
 
   // A step of prompts (or chunks of them), every sequence's attention on the prefill kernel, as the module
@@ -172,13 +185,17 @@ class FusedDecoder {
                      const at::Tensor& query_lens, const at::Tensor& seq_lens) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "FusedDecoder: one KV cache per layer");
     TORCH_CHECK(token_ids.dim() == 1 && positions.sizes() == token_ids.sizes(), "FusedDecoder: ids and positions [T]");
-    const at::Tensor x = embedding_.index_select(0, token_ids);
-    const at::Tensor cos_sin = rotary_.index_select(0, positions).view({token_ids.size(0), 2, 1, head_dim_});
+    const int64_t tokens = token_ids.size(0);
+    StepInputs in{embedding_.index_select(0, token_ids),
+                  rotary_.index_select(0, positions).view({tokens, 2, 1, head_dim_}), {}, slot_mapping};
+    in.local_cos_sin = has_local_rotary() ? local_rotary_.index_select(0, positions).view({tokens, 2, 1, head_dim_})
+                                          : in.cos_sin;
+    scale_embeddings(in.x);
     auto attend = [&](const at::Tensor& q, const at::Tensor& cache, int64_t window) {
       return paged_prefill_attention(q, cache, block_table, query_starts, query_lens, seq_lens, scale_, window,
                                      softcap_);
     };
-    return kernel_after_kernel(x, cos_sin, kv_caches, slot_mapping, attend);
+    return kernel_after_kernel(in, kv_caches, attend);
   }
 
   bool one_region = true;  // off: kernel after kernel at every step (the region path's reference in tests)
@@ -204,6 +221,19 @@ class FusedDecoder {
   }
 
  private:
+  // A step's embeddings [T, hidden], rotary rows by each table [T, 2, 1, head_dim] (local_cos_sin: cos_sin's
+  // tensor where there is one table) and the cache slot each new token's K/V goes to
+  struct StepInputs {
+    at::Tensor x, cos_sin, local_cos_sin, slot_mapping;
+  };
+
+  bool has_local_rotary() const { return !local_rotary_.is_same(rotary_); }
+
+  // x * embed_scale in x's dtype, as the module path multiplies it (CausalLM.forward)
+  void scale_embeddings(at::Tensor& x) const {
+    if (embed_scale_) x.mul_(at::scalar_tensor(*embed_scale_, x.options()));
+  }
+
   // bf16 or float32 throughout: the norms and biases in the dtype of the final norm
   bool weights_fit_one_region() const {
     const auto dtype = final_norm_.scalar_type();
@@ -214,10 +244,10 @@ class FusedDecoder {
             (m->quantized == "groups" &&
              (m->codes.scalar_type() != at::kByte || m->scales.scalar_type() != at::kHalf)))
           return false;
-      for (const at::Tensor* norm : {&layer.input_norm, &layer.post_attention_norm})
+      for (const at::Tensor* norm : {&layer.input_norm, &layer.mlp_norm})
         if (norm->scalar_type() != dtype) return false;
-      if ((layer.q_norm && layer.q_norm->scalar_type() != dtype) || (layer.k_norm && layer.k_norm->scalar_type() != dtype))
-        return false;
+      for (const std::optional<at::Tensor>* norm : layer.optional_norms())
+        if (*norm && (*norm)->scalar_type() != dtype) return false;
     }
     return true;
   }
@@ -225,32 +255,38 @@ class FusedDecoder {
   template <typename T>
   std::vector<RegionLayer<T>> region_layers() const {
     std::vector<RegionLayer<T>> region;
+    auto pointer = [](const std::optional<at::Tensor>& norm) { return norm ? norm->data_ptr<T>() : nullptr; };
     for (const FusedLayer& layer : layers_) {
       const bool qk_norms = layer.q_norm && layer.k_norm;
       region.push_back({layer.qkv.in_region<T>(), layer.o_proj.in_region<T>(), layer.gate_up.in_region<T>(),
-                        layer.down.in_region<T>(), layer.input_norm.data_ptr<T>(),
-                        layer.post_attention_norm.data_ptr<T>(), qk_norms ? layer.q_norm->data_ptr<T>() : nullptr,
-                        qk_norms ? layer.k_norm->data_ptr<T>() : nullptr, layer.activation != "silu", layer.window});
+                        layer.down.in_region<T>(), layer.input_norm.data_ptr<T>(), layer.mlp_norm.data_ptr<T>(),
+                        qk_norms ? pointer(layer.q_norm) : nullptr, qk_norms ? pointer(layer.k_norm) : nullptr,
+                        pointer(layer.attention_output_norm), pointer(layer.mlp_output_norm),
+                        layer.activation != "silu", layer.window, layer.local_rotary});
     }
     return region;
   }
 
   // The layers one kernel after another, each attending with attend(q, its KV cache, its window)
   template <typename Attend>
-  at::Tensor kernel_after_kernel(at::Tensor x, const at::Tensor& cos_sin, const std::vector<at::Tensor>& kv_caches,
-                                 const at::Tensor& slot_mapping, Attend attend) const {
-    at::Tensor h = rms_norm(x, layers_[0].input_norm, eps_);
+  at::Tensor kernel_after_kernel(const StepInputs& in, const std::vector<at::Tensor>& kv_caches, Attend attend) const {
+    at::Tensor x = in.x, h = rms_norm(x, layers_[0].input_norm, eps_);
+    auto output = [&](at::Tensor delta, const std::optional<at::Tensor>& norm) {
+      return norm ? rms_norm(delta, *norm, eps_) : delta;
+    };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const FusedLayer& layer = layers_[i];
       const at::Tensor& cache = kv_caches[i];
       at::Tensor qkv = layer.qkv(h);
       if (layer.q_norm && layer.k_norm) norm_qk_heads(qkv, *layer.q_norm, *layer.k_norm);
-      at::Tensor q = rope_write_kv(qkv, cos_sin, cache, slot_mapping, num_heads_, num_kv_heads_);
-      std::tie(x, h) = add_rms_norm(x, layer.o_proj(attend(q, cache, layer.window)), layer.post_attention_norm, eps_);
+      at::Tensor q = rope_write_kv(qkv, layer.local_rotary ? in.local_cos_sin : in.cos_sin, cache, in.slot_mapping,
+                                   num_heads_, num_kv_heads_);
+      at::Tensor attended = output(layer.o_proj(attend(q, cache, layer.window)), layer.attention_output_norm);
+      std::tie(x, h) = add_rms_norm(x, attended, layer.mlp_norm, eps_);
       at::Tensor gate_up = layer.gate_up(h);
       at::Tensor act = layer.activation == "silu" ? silu_and_mul(gate_up) : gelu_tanh_and_mul(gate_up);
       const at::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
-      std::tie(x, h) = add_rms_norm(x, layer.down(act), next_norm, eps_);
+      std::tie(x, h) = add_rms_norm(x, output(layer.down(act), layer.mlp_output_norm), next_norm, eps_);
     }
     return h;
   }
@@ -263,11 +299,10 @@ class FusedDecoder {
       return bf16_layers_;
   }
 
-  // The step's embeddings [S, hidden], rotary rows [S, 2, 1, head_dim] and the cache slot each new token's
-  // K/V goes to: what the module path looks up in Python (CausalLM.forward, build_attention_metadata).
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> step_inputs(const at::Tensor& token_ids, int64_t block_size,
-                                                             const at::Tensor& block_table,
-                                                             const at::Tensor& seq_lens) const {
+  // A decode step's inputs, as the module path looks them up in Python (CausalLM.forward,
+  // build_attention_metadata)
+  StepInputs step_inputs(const at::Tensor& token_ids, int64_t block_size, const at::Tensor& block_table,
+                         const at::Tensor& seq_lens) const {
     TORCH_CHECK(token_ids.dim() == 1 && token_ids.scalar_type() == at::kLong, "FusedDecoder: int64 token ids [S]");
     const int64_t rows = token_ids.size(0), max_blocks = block_table.size(1);
     TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == rows && seq_lens.scalar_type() == at::kLong,
@@ -278,6 +313,7 @@ class FusedDecoder {
     const at::Tensor ids = token_ids.contiguous(), lens = seq_lens.contiguous();
     at::Tensor x = at::empty({rows, embedding_.size(1)}, embedding_.options());
     at::Tensor cos_sin = at::empty({rows, 2, 1, head_dim_}, rotary_.options());
+    at::Tensor local_cos_sin = has_local_rotary() ? at::empty_like(cos_sin) : cos_sin;
     at::Tensor slots = at::empty({rows}, lens.options());
     const auto* id = ids.data_ptr<int64_t>();
     const auto* len = lens.data_ptr<int64_t>();
@@ -295,16 +331,20 @@ class FusedDecoder {
                   static_cast<const char*>(embedding_.data_ptr()) + id[r] * x_row, x_row);
       std::memcpy(static_cast<char*>(cos_sin.data_ptr()) + r * rotary_row,
                   static_cast<const char*>(rotary_.data_ptr()) + position * rotary_row, rotary_row);
+      if (has_local_rotary())
+        std::memcpy(static_cast<char*>(local_cos_sin.data_ptr()) + r * rotary_row,
+                    static_cast<const char*>(local_rotary_.data_ptr()) + position * rotary_row, rotary_row);
       slot[r] = block * block_size + position % block_size;
     }
-    return {x, cos_sin, slots};
+    scale_embeddings(x);
+    return {x, cos_sin, local_cos_sin, slots};
   }
 
   // ... and whether the step's inputs do: the weights' dtype, contiguous, every cache in one dtype that the
   // attention kernels take with it
-  bool inputs_fit_one_region(const at::Tensor& x, const at::Tensor& cos_sin, const std::vector<at::Tensor>& kv_caches,
-                             const at::Tensor& slot_mapping, const at::Tensor& block_table,
-                             const at::Tensor& seq_lens) const {
+  bool inputs_fit_one_region(const StepInputs& in, const std::vector<at::Tensor>& kv_caches,
+                             const at::Tensor& block_table, const at::Tensor& seq_lens) const {
+    const at::Tensor &x = in.x, &slot_mapping = in.slot_mapping;
     const auto dtype = final_norm_.scalar_type(), cache_dtype = kv_caches[0].scalar_type();
     if (!attention_takes(dtype, cache_dtype)) return false;
     for (const at::Tensor& cache : kv_caches)  // the region reads every layer's cache with the first one's sizes
@@ -312,16 +352,17 @@ class FusedDecoder {
           cache.size(1) != num_kv_heads_)
         return false;
     if (kv_caches[0].size(4) != (cache_dtype == at::kChar ? cache_row<int8_t>(head_dim_) : head_dim_)) return false;
-    return x.scalar_type() == dtype && x.is_contiguous() && cos_sin.scalar_type() == dtype && cos_sin.is_contiguous() &&
-           slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+    for (const at::Tensor* rows : {&x, &in.cos_sin, &in.local_cos_sin})
+      if (rows->scalar_type() != dtype || !rows->is_contiguous()) return false;
+    return slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
            block_table.scalar_type() == at::kInt && block_table.is_contiguous() &&
            seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous();
   }
 
   template <typename T, typename KV>
-  at::Tensor forward_in_one_region(const at::Tensor& x, const at::Tensor& cos_sin,
-                                   const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
+  at::Tensor forward_in_one_region(const StepInputs& in, const std::vector<at::Tensor>& kv_caches,
                                    const at::Tensor& block_table, const at::Tensor& seq_lens) const {
+    const at::Tensor& x = in.x;
     const int64_t rows = x.size(0), hidden = x.size(1), qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_;
     const int64_t intermediate = layers_[0].down.weight.size(1), per_kv = num_heads_ / num_kv_heads_;
     const auto options = x.options();
@@ -344,8 +385,8 @@ class FusedDecoder {
     }
     std::vector<float> attention_scratch(scratch_floats);
     const T* input = x.data_ptr<T>();
-    const T* cs = cos_sin.data_ptr<T>();
-    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    const T *cs = in.cos_sin.data_ptr<T>(), *local_cs = in.local_cos_sin.data_ptr<T>();
+    const int64_t* slots = in.slot_mapping.data_ptr<int64_t>();
     T *res = residual.data_ptr<T>(), *hn = h.data_ptr<T>(), *dl = delta.data_ptr<T>();
     T *qkv_p = qkv.data_ptr<T>(), *q_p = q.data_ptr<T>(), *att = attended.data_ptr<T>();
     T *gu = gate_up.data_ptr<T>(), *ac = act.data_ptr<T>();
@@ -370,16 +411,18 @@ class FusedDecoder {
         layer.qkv.into(hn, rows, scratch, qkv_p);
         if (layer.q_norm)
           raw::norm_heads(qkv_p, layer.q_norm, layer.k_norm, rows, num_heads_, num_kv_heads_, head_dim_, eps);
-        raw::rope_write_kv(qkv_p, cs, q_p, caches[i], slots, rows, num_heads_, num_kv_heads_, head_dim_,
-                           slots_per_head);
+        raw::rope_write_kv(qkv_p, layer.local_rotary ? local_cs : cs, q_p, caches[i], slots, rows, num_heads_,
+                           num_kv_heads_, head_dim_, slots_per_head);
         raw::decode_attention(q_p, caches[i], table, lens, shape, scale_, layer.window, softcap_, splits[i],
                               attention_scratch.data(), att);
         layer.o_proj.into(att, rows, scratch, dl);
-        raw::add_rms_norm(stream, dl, res, layer.post_attention_norm, hn, rows, hidden, eps);
+        if (layer.attention_output_norm) raw::rms_norm(dl, layer.attention_output_norm, dl, rows, hidden, eps);
+        raw::add_rms_norm(stream, dl, res, layer.mlp_norm, hn, rows, hidden, eps);
         stream = res;
         layer.gate_up.into(hn, rows, scratch, gu);
         raw::act_and_mul(layer.gelu, gu, ac, rows, intermediate);
         layer.down.into(ac, rows, scratch, dl);
+        if (layer.mlp_output_norm) raw::rms_norm(dl, layer.mlp_output_norm, dl, rows, hidden, eps);
         const bool last = i + 1 == layers.size();
         if (!last) prefetch_lines(&layers[i + 1], sizeof layers[i + 1]);
         raw::add_rms_norm(res, dl, res, last ? final_norm : layers[i + 1].input_norm, hn, rows, hidden, eps);
@@ -422,7 +465,9 @@ class FusedDecoder {
   // layers_ as a region reads them, in the model's dtype; both empty where the weights fit no region
   std::vector<RegionLayer<float>> float_layers_;
   std::vector<RegionLayer<at::BFloat16>> bf16_layers_;
-  at::Tensor final_norm_, embedding_, rotary_;  // rotary: the cos/sin table [positions, 2, head_dim]
+  at::Tensor final_norm_, embedding_;
+  at::Tensor rotary_, local_rotary_;  // cos/sin tables [positions, 2, head_dim]; local_rotary_: rotary_ itself if one
+  std::optional<double> embed_scale_;
   // the region's barrier and the threads' speeds, learned step after step: one forward at a time, as the KV
   // caches need anyway
   mutable RegionShared shared_;
@@ -450,18 +495,21 @@ void register_fused_decoder(pybind11::module& m) {
   py::class_<FusedLayer>(m, "FusedLayer")
       .def(py::init<>())
       .def_readwrite("input_norm", &FusedLayer::input_norm)
-      .def_readwrite("post_attention_norm", &FusedLayer::post_attention_norm)
+      .def_readwrite("mlp_norm", &FusedLayer::mlp_norm)
       .def_readwrite("q_norm", &FusedLayer::q_norm)
       .def_readwrite("k_norm", &FusedLayer::k_norm)
+      .def_readwrite("attention_output_norm", &FusedLayer::attention_output_norm)
+      .def_readwrite("mlp_output_norm", &FusedLayer::mlp_output_norm)
       .def_readwrite("qkv", &FusedLayer::qkv)
       .def_readwrite("o_proj", &FusedLayer::o_proj)
       .def_readwrite("gate_up", &FusedLayer::gate_up)
       .def_readwrite("down", &FusedLayer::down)
       .def_readwrite("activation", &FusedLayer::activation)
-      .def_readwrite("window", &FusedLayer::window);
+      .def_readwrite("window", &FusedLayer::window)
+      .def_readwrite("local_rotary", &FusedLayer::local_rotary);
   py::class_<FusedDecoder>(m, "FusedDecoder")
-      .def(py::init<std::vector<FusedLayer>, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double,
-                    double, double>())
+      .def(py::init<std::vector<FusedLayer>, at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>,
+                    std::optional<double>, int64_t, int64_t, int64_t, double, double, double>())
       .def_readwrite("one_region", &FusedDecoder::one_region)
       .def_property_readonly("region_steps", &FusedDecoder::region_steps)
       .def("one_region_at", &FusedDecoder::one_region_at)

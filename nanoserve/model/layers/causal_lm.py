@@ -4,7 +4,8 @@ layers over the paged KV cache, the final norm and the logits (soft-capped where
 
 It also owns what the engine does to any model after loading: pre-packing bf16 matmul weights for oneDNN
 (or, in float32, running them on the C++ dense_matmul), switching on the C++ kernels (and, for
-Llama-shaped layers, the fused decode step), quantizing. A family subclasses it and builds `self.layers`.
+Llama- and Gemma-shaped layers, the fused decode step), quantizing. A family subclasses it and builds
+`self.layers`.
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ class CausalLM(nn.Module):
 
     def use_cpu_kernels(self, kernels: ModuleType, fused_decode: bool = True) -> None:
         """RMSNorm and the MLP's activation in C++; attention takes its kernels from AttentionMetadata.
-        With fused_decode, decode-only steps of Llama-shaped layers run as one C++ call (after quantize:
+        With fused_decode, decode-only steps of Llama- and Gemma-shaped layers run as one C++ call (after quantize:
         it holds the weights as they are then, and pointers into their storage; call it again after moving
         a weight to new storage)."""
         activations = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul}
@@ -245,14 +246,22 @@ class CausalLM(nn.Module):
                 module.kernel = kernels.rms_norm
             elif isinstance(module, GatedMLP):
                 module.kernel = activations[module.activation]
-        layers = fusable_layers(
-            list(self.layers), self.local_rotary is not None, self.config.embed_scale is not None
-        )
+        layers = fusable_layers(list(self.layers))
         self.fused_decoder = None
         if fused_decode and layers is not None:
             embedding = self.embed_tokens.weight.contiguous()  # itself, unless a loader left a view
-            table = self.rotary.table_for(embedding.dtype, embedding.device)
-            self.fused_decoder = build_fused_decoder(layers, self.norm.weight, embedding, table, kernels)
+            dtype, device = embedding.dtype, embedding.device
+            table = self.rotary.table_for(dtype, device)
+            local = None if self.local_rotary is None else self.local_rotary.table_for(dtype, device)
+            self.fused_decoder = build_fused_decoder(
+                layers,
+                self.norm.weight,
+                embedding,
+                self.config.embed_scale,
+                (table, local),
+                self.is_local,
+                kernels,
+            )
 
     def quantize(
         self,

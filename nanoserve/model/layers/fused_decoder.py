@@ -7,11 +7,12 @@ another in C++, so its output is the module path's bit for bit. It also looks up
 rotary rows and the cache slots itself, so a decode step needs no attention metadata from Python.
 
 It serves models whose every layer is the plain Llama shape (DecoderLayer with a GatedMLP, rotation over
-whole heads, one rotary table): Llama, Mistral, Qwen2, Qwen3, Phi-3. Prefill steps whose every sequence
+whole heads) or Gemma's (GemmaDecoderLayer: a norm on each block's output too, scaled embeddings, Gemma 3's
+second rotary table): Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3. Prefill steps whose every sequence
 the C++ prefill kernel attends run through it too (`prefill`): for a 512-token prompt the module path's
 Python between the kernels cost about 6 ms of 110 (bundled model, int4, AMX Xeon). The module path stays
 the reference and the fallback: mixed steps, prompts sent to torch's flash attention, the other families
-(Gemma's extra norms, experts, partial rotation) and machines without the C++ kernels.
+(experts, partial rotation) and machines without the C++ kernels.
 """
 
 from __future__ import annotations
@@ -22,25 +23,25 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from nanoserve.model.layers.decoder import DecoderLayer
+from nanoserve.model.layers.decoder import DecoderLayer, GemmaDecoderLayer
 from nanoserve.model.layers.linear import Linear
 from nanoserve.model.layers.mlp import GatedMLP
 from nanoserve.model.quant import GroupQuantWeight, TorchInt4Weight
 
+FusableLayer = DecoderLayer | GemmaDecoderLayer
 
-def fusable_layers(
-    layers: Sequence[nn.Module], has_local_rotary: bool, scales_embeddings: bool
-) -> list[DecoderLayer] | None:
-    """The layers, when every one is the plain Llama shape and the embeddings are used as they are;
-    else None."""
-    plain = [
+
+def fusable_layers(layers: Sequence[nn.Module]) -> list[FusableLayer] | None:
+    """The layers, when every one is the Llama or the Gemma shape with a GatedMLP and rotation over whole
+    heads; else None."""
+    fusable = [
         layer
         for layer in layers
-        if type(layer) is DecoderLayer
+        if isinstance(layer, (DecoderLayer, GemmaDecoderLayer))
         and isinstance(layer.mlp, GatedMLP)
         and layer.self_attn.rotary_dim == layer.self_attn.head_dim
     ]
-    return None if has_local_rotary or scales_embeddings or len(plain) != len(layers) else plain
+    return fusable if len(fusable) == len(layers) else None
 
 
 def fused_matmul(kernels: ModuleType, linear: Linear) -> Any:
@@ -66,21 +67,29 @@ def fused_matmul(kernels: ModuleType, linear: Linear) -> Any:
 
 
 def build_fused_decoder(
-    layers: list[DecoderLayer],
+    layers: list[FusableLayer],
     final_norm_weight: Tensor,
     embedding: Tensor,
-    rotary_table: Tensor,
+    embed_scale: float | None,
+    rotary_tables: tuple[Tensor, Tensor | None],
+    is_local: list[bool],
     kernels: ModuleType,
 ) -> Any:
-    """A kernels.FusedDecoder over the embedding [vocab, hidden], `layers` (see fusable_layers), the final
-    norm and the rotary table [positions, 2, head_dim] (RotaryEmbedding.table_for)."""
+    """A kernels.FusedDecoder over the embedding [vocab, hidden] (times embed_scale, if any), `layers` (see
+    fusable_layers), the final norm and the rotary tables [positions, 2, head_dim] (RotaryEmbedding.table_for):
+    the global one and the local one (or None) of the layers that is_local marks."""
     fused = []
-    for layer in layers:
+    for layer, local in zip(layers, is_local, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         assert isinstance(mlp, GatedMLP)
         spec = kernels.FusedLayer()
         spec.input_norm = layer.input_layernorm.weight
-        spec.post_attention_norm = layer.post_attention_layernorm.weight
+        if isinstance(layer, GemmaDecoderLayer):
+            spec.mlp_norm = layer.pre_feedforward_layernorm.weight
+            spec.attention_output_norm = layer.post_attention_layernorm.weight
+            spec.mlp_output_norm = layer.post_feedforward_layernorm.weight
+        else:
+            spec.mlp_norm = layer.post_attention_layernorm.weight
         if attn.q_norm is not None and attn.k_norm is not None:
             spec.q_norm, spec.k_norm = attn.q_norm.weight, attn.k_norm.weight
         spec.qkv, spec.o_proj = fused_matmul(kernels, attn.qkv_proj), fused_matmul(kernels, attn.o_proj)
@@ -90,13 +99,15 @@ def build_fused_decoder(
         )
         spec.activation = mlp.activation
         spec.window = attn.window or 0
+        spec.local_rotary = local
         fused.append(spec)
     first = layers[0].self_attn
     return kernels.FusedDecoder(
         fused,
         final_norm_weight,
         embedding,
-        rotary_table,
+        *rotary_tables,
+        embed_scale,
         first.num_heads,
         first.num_kv_heads,
         first.head_dim,
