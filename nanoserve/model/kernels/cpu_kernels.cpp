@@ -23,6 +23,9 @@
 //
 // add_rms_norm: the residual add and the next norm in one pass (the fused decode step's).
 //
+// soft_cap_logits: cap * tanh(logit / cap) in place, one vectorized pass (Gemma 2's final logits), where
+// torch's div, tanh and mul took 2.5-3 ms over a batch-32 step's logits on a Zen 5.
+//
 // paged_prefill_attention (prefill_attention.cpp): several new tokens per sequence, causal, from the cache.
 // quant_matmul (quant_matmul.cpp): group-quantized weights times int8-quantized activations, for decode.
 // sample_rows (sampling.cpp): temperature, top-k, top-p and min-p sampling, a row per task; greedy_rows: the
@@ -340,10 +343,9 @@ void decode_attention_for_head_dim(const T* q, const KV* kv, const int32_t* bloc
         });
         for (int64_t h = 0; h < per_kv; ++h) {
           float* s = scores.data() + h * stride;
-          if (softcap > 0.f)
-            for (int64_t t = 0; t < count; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
           // lanes up to the next 16: -inf, which the max passes over and exp turns to 0
           const int64_t padded = (count + 15) / 16 * 16;
+          if (softcap > 0.f) soft_cap(s, padded, 1.f / softcap, softcap);
           std::fill(s + count, s + padded, -INFINITY);
           const float chunk_max = std::max(max_score[h], max_of(s, padded));
           if (chunk_max > max_score[h]) {
@@ -650,6 +652,25 @@ torch::Tensor act_and_mul(torch::Tensor x) {
 torch::Tensor silu_and_mul(torch::Tensor x) { return act_and_mul<silu>(x); }
 torch::Tensor gelu_tanh_and_mul(torch::Tensor x) { return act_and_mul<gelu_tanh>(x); }
 
+// logits: float32, contiguous, capped in place and returned
+torch::Tensor soft_cap_logits(torch::Tensor logits, double cap) {
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32 && logits.is_contiguous() && logits.is_cpu() && cap > 0,
+              "soft_cap_logits: contiguous float32 logits on the CPU and a positive cap");
+  float* x = logits.data_ptr<float>();
+  const float capf = static_cast<float>(cap), inner = 1.f / capf;
+  const int64_t whole = logits.numel() / 16;
+  at::parallel_for(0, whole, 1024, [&](int64_t begin, int64_t end) {
+    soft_cap(x + begin * 16, (end - begin) * 16, inner, capf);
+  });
+  if (const int64_t rest = logits.numel() - whole * 16) {  // the last few, padded to 16 lanes
+    float padded[16] = {};
+    std::copy(x + whole * 16, x + logits.numel(), padded);
+    soft_cap(padded, 16, inner, capf);
+    std::copy(padded, padded + rest, x + whole * 16);
+  }
+  return logits;
+}
+
 namespace raw {
 
 template <typename T>
@@ -743,6 +764,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul);
+  m.def("soft_cap_logits", &soft_cap_logits);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("paged_prefill_attention", &paged_prefill_attention);
   m.def("rms_norm", &rms_norm);

@@ -210,6 +210,7 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos_sin, torch::Ten
                             torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor gelu_tanh_and_mul(torch::Tensor x);
+torch::Tensor soft_cap_logits(torch::Tensor logits, double cap);
 bool quant_matmul_supported();
 // How many bytes of codes ahead of the group it reads quant_matmul prefetches a weight (0: it does not), for
 // the whole process: on a Zen 1, 4096 made batch-1 steps faster than 2048 or 8192; on a Zen 3, 1024 or 1536

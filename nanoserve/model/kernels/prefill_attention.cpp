@@ -291,7 +291,7 @@ void softmax_block(float* scores, uint16_t* probs, float* acc, int64_t chunks, i
                    __m512& total) {
   const int64_t keys = chunks * KEY_CHUNK;
   if (softcap > 0.f) {  // capped scores replace the raw ones, already scaled
-    for (int64_t i = 0; i < keys * TILE_ROWS; ++i) scores[i] = softcap * std::tanh(scores[i] * scale / softcap);
+    soft_cap(scores, keys * TILE_ROWS, scale / softcap, softcap);
     scale = 1.f;
   }
   bool whole[KEY_BLOCK / KEY_CHUNK];
@@ -614,7 +614,7 @@ void attend_tile(const T* q, const PackedContext& context, T* out, const Layout&
         row_lanes* s = scores[g];
         if (softcap > 0.f)
           for (int part = 0; part < PARTS; ++part)
-            for (int64_t t = 0; t < ROW_LANES; ++t) s[part][t] = softcap * std::tanh(s[part][t] / softcap);
+            s[part] = softcap * tanh_lanes<row_lanes, row_int_lanes>(s[part] * (1.f / softcap));
         if (partial) {
           const float p = static_cast<float>(position[r]);
           for (int part = 0; part < PARTS; ++part) {

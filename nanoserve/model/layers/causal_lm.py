@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -73,6 +74,8 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.soft_cap_kernel: Callable[[Tensor, float], Tensor] | None = None
+        """The C++ soft_cap_logits (in place, on contiguous CPU float32 logits), set by use_cpu_kernels."""
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor], attn: AttentionMetadata
@@ -113,9 +116,13 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> float32 [N, vocab]."""
-        logits = self._lm_head(hidden).float()
+        logits = self._lm_head(hidden).float()  # a new tensor: the matmul's output
         cap = self.config.final_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is None:
+            return logits
+        if self.soft_cap_kernel is not None and logits.is_contiguous() and logits.device.type == "cpu":
+            return self.soft_cap_kernel(logits, cap)
+        return torch.tanh(logits / cap) * cap
 
     def _lm_head(self, hidden: Tensor) -> Tensor:
         head = self.quantized_lm_head
@@ -241,6 +248,7 @@ class CausalLM(nn.Module):
         it holds the weights as they are then, and pointers into their storage; call it again after moving
         a weight to new storage)."""
         activations = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul}
+        self.soft_cap_kernel = kernels.soft_cap_logits
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = kernels.rms_norm
