@@ -1,5 +1,7 @@
-"""`nanoserve bench families`: how long each model family takes to load, and what a mixture-of-experts
-model's decode throughput is against the dense model with as many active parameters.
+"""`nanoserve bench families`: how long each model family takes to load, each family's decode throughput
+against the Llama of the same shape (whether its layers keep the fast paths: the fused decode step, the
+kernels), and what a mixture-of-experts model's decode throughput is against the dense model with as many
+active parameters.
 
 The models are built here with transformers from one shape (random weights, bf16 safetensors, the
 bundled model's tokenizer) in a temporary folder: nothing is downloaded. The MoE comparison pairs a
@@ -31,6 +33,9 @@ SHAPE = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+KV_CACHE_BYTES = 256 << 20
+"""Per engine: the default GiB, written ahead, for each of two engines alive at once is more than the
+64 new tokens of a batch of 32 need."""
 NUM_EXPERTS, TOP_K = 8, 2
 MOE = dict(num_local_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, intermediate_size=512)
 QWEN_MOE = dict(num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=512)
@@ -107,6 +112,48 @@ def time_blocks(moe, mlp, tokens: int) -> tuple[float, float, float]:
     return time_forward(lambda: moe(x)), experts_alone, time_forward(lambda: mlp(x))
 
 
+def against_llama(
+    folders: dict[str, str], families: list[str], batches: list[int], args: argparse.Namespace
+) -> None:
+    """Each family's decode tok/s beside the same-shape llama's, the two taking turns, in-process."""
+    from nanoserve.bench.throughput import FreshPrompts, paired_ratio, summarize, time_nanoserve
+    from nanoserve.entrypoints.llm import LLM
+
+    def engine(family: str) -> LLM:
+        return LLM(
+            folders[family],
+            dtype=args.dtype,
+            quantization=args.quantization,
+            multiprocess_mode=False,
+            num_threads=args.num_threads,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+        )
+
+    print(f"\neach family against llama of the same shape ({args.dtype}, quantization {args.quantization}); "
+          f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy, in-process engine")  # fmt: skip
+    print(
+        f"{'family':>10}  {'fused':>5}  {'batch':>5}  {'tok/s':>18}  {'llama tok/s':>18}  {'family/llama':>18}"
+    )
+    llama = engine("llama")
+    fresh_prompts = FreshPrompts(llama.get_tokenizer(), args.prompt_len)
+    for family in families:
+        llm = engine(family)
+        model = llm.llm_engine.engine_core.engine_core.runner.model
+        fused = "yes" if model is not None and model.fused_decoder is not None else "no"
+        for batch in batches:
+            samples: dict[str, list[float]] = {"family": [], "llama": []}
+            for one in (llm, llama):
+                time_nanoserve(one, fresh_prompts(batch), 4)  # warm-up
+            for _ in range(args.repeats):  # taking turns, so drift on a shared machine hits both alike
+                samples["family"].append(time_nanoserve(llm, fresh_prompts(batch), args.new_tokens))
+                samples["llama"].append(time_nanoserve(llama, fresh_prompts(batch), args.new_tokens))
+            ratio = paired_ratio(samples["family"], samples["llama"])
+            print(f"{family:>10}  {fused:>5}  {batch:>5}  {summarize(samples['family']):>18}  "
+                  f"{summarize(samples['llama']):>18}  {ratio:>18}", flush=True)  # fmt: skip
+        llm.shutdown()
+    llama.shutdown()
+
+
 def first_mlp(llm) -> torch.nn.Module:
     """Layer 0's MLP (SparseMoE or GatedMLP) of an in-process LLM's model: pre-packed, C++ kernels on."""
     return llm.llm_engine.engine_core.engine_core.runner.model.layers[0].mlp
@@ -117,7 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--families", default=",".join(FAMILIES), help="comma-separated, of: " + ", ".join(FAMILIES)
     )
-    parser.add_argument("--batch-sizes", default="1,8,32", help="for the MoE against dense throughput")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="for the throughput tables")
+    parser.add_argument("--dtype", default="bfloat16", help="of the families against llama")
+    parser.add_argument(
+        "--quantization", default="none", help="of the families against llama: none, int4, int8"
+    )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -144,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{family:>10}  {num_params / 1e6:>9.1f}M  {seconds:>15.2f}", flush=True)
         if args.skip_throughput:
             return
+        batches = [int(b) for b in args.batch_sizes.split(",")]
+        against_llama(folders, [f for f in families if f != "llama"], batches, args)
 
         print(f"\nmixtral ({NUM_EXPERTS} experts, top-{TOP_K}) against llama with the same active parameters; "
               f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy, in-process engine")  # fmt: skip
@@ -154,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
             for f in ("llama", "mixtral")
         }
         fresh_prompts = FreshPrompts(llms["llama"].get_tokenizer(), args.prompt_len)
-        for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        for batch in batches:
             samples: dict[str, list[float]] = {f: [] for f in llms}
             for llm in llms.values():
                 time_nanoserve(llm, fresh_prompts(batch), 4)  # warm-up
