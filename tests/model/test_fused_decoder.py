@@ -24,6 +24,8 @@ from nanoserve.model.loader import load_model_config
 from nanoserve.model.quant import GROUP_SIZE, fast_kernels, quantization_error
 from tests.core.engine_steps import request, run_to_completion, tiny_engine
 
+MOE_SHAPES = ("mixtral", "qwen2-moe", "qwen3-moe")
+"""Their steps run kernel after kernel, never in one region: routing and grouping are ATen ops."""
 FUSED_SHAPES = (
     "mistral-window",
     "qwen2-window",
@@ -34,8 +36,10 @@ FUSED_SHAPES = (
     "gemma2-gqa",
     "gemma2-mha-untied",
     "gemma3",
+    *MOE_SHAPES,
 )
-"""Every shape whose layers are the Llama or the Gemma shape; the others keep the module path."""
+"""Every shape whose layers are the Llama (mixtures of experts included) or the Gemma shape; the others keep
+the module path."""
 LENGTHS = (17, 40, 28, 21, 33, 19, 25, 18)
 """Longer than the windows and than LongRoPE's pretraining length (tests/model/families.py)."""
 
@@ -48,6 +52,11 @@ def needs_kernels():
 
 @pytest.fixture(scope="module", params=FUSED_SHAPES)
 def fused_dir(request, tmp_path_factory):
+    return build_family(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module", params=[s for s in FUSED_SHAPES if s not in MOE_SHAPES])
+def region_dir(request, tmp_path_factory):
     return build_family(request.param, tmp_path_factory.mktemp(request.param))
 
 
@@ -231,10 +240,12 @@ def _check_regions(engine: EngineCore, prompts: list[list[int]]) -> RegionChecki
         ("float32", "none", "int8"),
     ],
 )
-def test_one_region_step_gives_the_kernel_after_kernel_bits(fused_dir, dtype, quantization, kv_cache_dtype):
+def test_one_region_step_gives_the_kernel_after_kernel_bits(region_dir, dtype, quantization, kv_cache_dtype):
     if quantization != "none":
         needs_quant_matmul()
-    engine = _engine(fused_dir, "auto", dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    engine = _engine(
+        region_dir, "auto", dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype
+    )
     checking = _check_regions(engine, _prompts(6, seed=4))
     assert checking.region_steps > 0 and {1, 6} <= checking.batch_sizes
 
@@ -287,6 +298,14 @@ def test_the_region_learns_each_threads_speed(bundled_gguf_path):
     assert np.prod(speeds) == pytest.approx(1.0, rel=1e-6) and speeds != [1.0] * len(speeds)
     with pytest.raises(ValueError, match="speeds must be positive"):
         fused.thread_speeds = [1.0, 0.0]
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+def test_experts_stay_kernel_after_kernel(shape, tmp_path):
+    needs_quant_matmul()
+    engine = _engine(build_family(shape, tmp_path / shape), "auto", dtype="float32", quantization="int4")
+    model = engine.runner.model
+    assert model is not None and not any(model.fused_decoder.one_region_at(n) for n in (1, 6, 32))
 
 
 def test_unquantized_bf16_steps_stay_kernel_after_kernel(fused_dir):

@@ -1,10 +1,12 @@
 // FusedDecoder: a decode step of a Llama-shaped model (Llama, Mistral, Qwen2, Qwen3, Phi-3 with full rotation,
-// Gemma 2 and 3) from token ids to the final norm, in one call from Python: the embedding (scaled, for Gemma)
-// and rotary rows and each new token's cache slot are looked up here, then per layer:
+// Gemma 2 and 3, the mixtures of experts) from token ids to the final norm, in one call from Python: the
+// embedding (scaled, for Gemma) and rotary rows and each new token's cache slot are looked up here, then per
+// layer:
 //   norm -> qkv (+ bias) -> q/k norms -> rope + KV write -> decode attention -> o_proj (+ bias) (-> norm)
 //   + residual -> norm -> gate_up -> act(gate) * up -> down (-> norm) + residual
-// where the norms in brackets are Gemma's, of each block's output, and a layer rotates by one of two tables
-// (Gemma 3's sliding-window layers have a rotary base of their own).
+// where the norms in brackets are Gemma's, of each block's output, a layer rotates by one of two tables
+// (Gemma 3's sliding-window layers have a rotary base of their own), and a mixture of experts routes each
+// token to its experts' gate_up and down (FusedExperts).
 // Each stage is the kernel the module path runs for the same step, with the same per-step-size matmul
 // choice, so the two give the same bits; what goes away is the interpreter, the nn.Module calls and the
 // Python bindings between the stages (about 330 small ops per step for SmolLM2-135M, as much time as its
@@ -105,14 +107,81 @@ struct FusedMatmul {
   }
 };
 
+// act(gate) * up of a gated MLP's fused gate/up output
+inline at::Tensor activate(const at::Tensor& gate_up, const std::string& activation) {
+  return activation == "silu" ? silu_and_mul(gate_up) : gelu_tanh_and_mul(gate_up);
+}
+
+// A SparseMoE block (nanoserve/model/layers/moe.py), run as the module path runs it, op for op in ATen, so with
+// the same bits: the router's top k per token, each chosen expert's gated MLP over its tokens (a lone token's
+// experts one after the other, else the tokens grouped per expert), their weighted sum, and Qwen2-MoE's
+// shared expert scaled by its sigmoid gate.
+struct FusedExperts {
+  at::Tensor router;                       // float32 [experts, hidden]
+  std::vector<FusedMatmul> gate_up, down;  // per expert
+  int64_t top_k = 0;
+  bool normalize = false;  // the top k's weights renormalized: the softmax of their logits
+  std::optional<FusedMatmul> shared_gate_up, shared_down;
+  std::optional<at::Tensor> shared_gate;  // [1, hidden], the shared expert's gate
+
+  at::Tensor operator()(const at::Tensor& x, const std::string& activation) const {
+    auto [weights, experts] = route(x);
+    at::Tensor out;
+    if (x.size(0) == 1) {
+      for (int64_t j = 0; j < top_k; ++j) {
+        const int64_t e = experts[0][j].item<int64_t>();
+        const double weight = weights[0][j].item<double>();
+        const at::Tensor y = down[e](activate(gate_up[e](x), activation));
+        if (j == 0)
+          out = y * weight;
+        else
+          out.add_(y, weight);
+      }
+    } else {
+      out = grouped(x, weights, experts, activation);
+    }
+    if (shared_gate_up && shared_down && shared_gate)
+      out = out + at::sigmoid(at::linear(x, *shared_gate)) * (*shared_down)(activate((*shared_gate_up)(x), activation));
+    return out;
+  }
+
+ private:
+  std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x) const {
+    const at::Tensor logits = at::linear(x.to(at::kFloat), router);
+    if (normalize) {
+      auto [top, experts] = logits.topk(top_k, -1);
+      return {at::softmax(top, -1), experts};
+    }
+    return at::softmax(logits, -1).topk(top_k, -1);
+  }
+
+  at::Tensor grouped(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& experts,
+                     const std::string& activation) const {
+    const at::Tensor flat = experts.flatten(), order = flat.argsort(/*stable=*/true);
+    const at::Tensor counts = at::bincount(flat, {}, static_cast<int64_t>(gate_up.size()));
+    const at::Tensor tokens = at::floor_divide(order, top_k), inputs = x.index_select(0, tokens);
+    const auto* count = counts.data_ptr<int64_t>();
+    std::vector<at::Tensor> outputs;
+    for (int64_t e = 0, start = 0; e < static_cast<int64_t>(gate_up.size()); start += count[e++])
+      if (count[e]) outputs.push_back(down[e](activate(gate_up[e](inputs.narrow(0, start, count[e])), activation)));
+    const at::Tensor weighted = at::cat(outputs) * weights.flatten().index_select(0, order).unsqueeze(1).to(x.scalar_type());
+    return at::zeros_like(x).index_add_(0, tokens, weighted);
+  }
+};
+
 struct FusedLayer {
   at::Tensor input_norm, mlp_norm;  // of the residual stream, before the attention and before the MLP
   std::optional<at::Tensor> q_norm, k_norm;
   std::optional<at::Tensor> attention_output_norm, mlp_output_norm;  // Gemma: each block's output, before its add
-  FusedMatmul qkv, o_proj, gate_up, down;
+  FusedMatmul qkv, o_proj, gate_up, down;  // gate_up, down: of a dense MLP
+  std::optional<FusedExperts> experts;     // in place of a dense MLP
   std::string activation;     // silu or gelu_tanh
   int64_t window = 0;         // 0: the whole context
   bool local_rotary = false;  // rotates by the decoder's local table
+
+  at::Tensor mlp(const at::Tensor& h) const {
+    return experts ? (*experts)(h, activation) : down(activate(gate_up(h), activation));
+  }
 
   std::array<const std::optional<at::Tensor>*, 4> optional_norms() const {
     return {&q_norm, &k_norm, &attention_output_norm, &mlp_output_norm};
@@ -150,6 +219,8 @@ class FusedDecoder {
       TORCH_CHECK(table->dim() == 3 && table->size(1) == 2 && table->size(2) == head_dim_ && table->is_contiguous() &&
                       table->scalar_type() == embedding_.scalar_type() && table->size(0) == rotary_.size(0),
                   "FusedDecoder: rotary tables [positions, 2, head_dim] in the embedding's dtype");
+    for (const FusedLayer& layer : layers_)
+      if (layer.experts) return;  // their routing and grouping: ATen ops, kernel after kernel
     if (!weights_fit_one_region()) return;
     if (final_norm_.scalar_type() == at::kFloat)
       float_layers_ = region_layers<float>();
@@ -283,10 +354,8 @@ class FusedDecoder {
                                    num_heads_, num_kv_heads_);
       at::Tensor attended = output(layer.o_proj(attend(q, cache, layer.window)), layer.attention_output_norm);
       std::tie(x, h) = add_rms_norm(x, attended, layer.mlp_norm, eps_);
-      at::Tensor gate_up = layer.gate_up(h);
-      at::Tensor act = layer.activation == "silu" ? silu_and_mul(gate_up) : gelu_tanh_and_mul(gate_up);
       const at::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
-      std::tie(x, h) = add_rms_norm(x, output(layer.down(act), layer.mlp_output_norm), next_norm, eps_);
+      std::tie(x, h) = add_rms_norm(x, output(layer.mlp(h), layer.mlp_output_norm), next_norm, eps_);
     }
     return h;
   }
@@ -492,6 +561,16 @@ void register_fused_decoder(pybind11::module& m) {
       .def_readwrite("bits", &FusedMatmul::bits)
       .def_readwrite("max_tokens", &FusedMatmul::max_tokens)
       .def("__call__", &FusedMatmul::operator(), py::call_guard<py::gil_scoped_release>());
+  py::class_<FusedExperts>(m, "FusedExperts")
+      .def(py::init<>())
+      .def_readwrite("router", &FusedExperts::router)
+      .def_readwrite("gate_up", &FusedExperts::gate_up)
+      .def_readwrite("down", &FusedExperts::down)
+      .def_readwrite("top_k", &FusedExperts::top_k)
+      .def_readwrite("normalize", &FusedExperts::normalize)
+      .def_readwrite("shared_gate_up", &FusedExperts::shared_gate_up)
+      .def_readwrite("shared_down", &FusedExperts::shared_down)
+      .def_readwrite("shared_gate", &FusedExperts::shared_gate);
   py::class_<FusedLayer>(m, "FusedLayer")
       .def(py::init<>())
       .def_readwrite("input_norm", &FusedLayer::input_norm)
@@ -504,6 +583,7 @@ void register_fused_decoder(pybind11::module& m) {
       .def_readwrite("o_proj", &FusedLayer::o_proj)
       .def_readwrite("gate_up", &FusedLayer::gate_up)
       .def_readwrite("down", &FusedLayer::down)
+      .def_readwrite("experts", &FusedLayer::experts)
       .def_readwrite("activation", &FusedLayer::activation)
       .def_readwrite("window", &FusedLayer::window)
       .def_readwrite("local_rotary", &FusedLayer::local_rotary);

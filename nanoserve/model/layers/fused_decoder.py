@@ -6,13 +6,14 @@ matmuls. The fused decoder calls the same kernels, with the same per-step-size m
 another in C++, so its output is the module path's bit for bit. It also looks up the embeddings, the
 rotary rows and the cache slots itself, so a decode step needs no attention metadata from Python.
 
-It serves models whose every layer is the plain Llama shape (DecoderLayer with a GatedMLP, rotation over
-whole heads) or Gemma's (GemmaDecoderLayer: a norm on each block's output too, scaled embeddings, Gemma 3's
-second rotary table): Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3. Prefill steps whose every sequence
-the C++ prefill kernel attends run through it too (`prefill`): for a 512-token prompt the module path's
-Python between the kernels cost about 6 ms of 110 (bundled model, int4, AMX Xeon). The module path stays
-the reference and the fallback: mixed steps, prompts sent to torch's flash attention, the other families
-(experts, partial rotation) and machines without the C++ kernels.
+It serves models whose every layer is the Llama shape (DecoderLayer, rotation over whole heads) or Gemma's
+(GemmaDecoderLayer: a norm on each block's output too, scaled embeddings, Gemma 3's second rotary table):
+Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, and the mixtures of experts (Mixtral, Qwen2-MoE,
+Qwen3-MoE), whose routing and grouping are the module path's ATen ops called from C++. Prefill steps whose
+every sequence the C++ prefill kernel attends run through it too (`prefill`): for a 512-token prompt the
+module path's Python between the kernels cost about 6 ms of 110 (bundled model, int4, AMX Xeon). The module
+path stays the reference and the fallback: mixed steps, prompts sent to torch's flash attention, partial
+rotation (Phi-4-mini) and machines without the C++ kernels.
 """
 
 from __future__ import annotations
@@ -26,19 +27,20 @@ from torch import Tensor, nn
 from nanoserve.model.layers.decoder import DecoderLayer, GemmaDecoderLayer
 from nanoserve.model.layers.linear import Linear
 from nanoserve.model.layers.mlp import GatedMLP
+from nanoserve.model.layers.moe import SparseMoE
 from nanoserve.model.quant import GroupQuantWeight, TorchInt4Weight
 
 FusableLayer = DecoderLayer | GemmaDecoderLayer
 
 
 def fusable_layers(layers: Sequence[nn.Module]) -> list[FusableLayer] | None:
-    """The layers, when every one is the Llama or the Gemma shape with a GatedMLP and rotation over whole
-    heads; else None."""
+    """The layers, when every one is the Llama shape (its MLP a GatedMLP or a SparseMoE) or the Gemma shape,
+    with rotation over whole heads; else None."""
     fusable = [
         layer
         for layer in layers
         if isinstance(layer, (DecoderLayer, GemmaDecoderLayer))
-        and isinstance(layer.mlp, GatedMLP)
+        and isinstance(layer.mlp, (GatedMLP, SparseMoE))
         and layer.self_attn.rotary_dim == layer.self_attn.head_dim
     ]
     return fusable if len(fusable) == len(layers) else None
@@ -66,6 +68,21 @@ def fused_matmul(kernels: ModuleType, linear: Linear) -> Any:
     return matmul
 
 
+def fused_experts(kernels: ModuleType, moe: SparseMoE) -> Any:
+    """The C++ twin of a SparseMoE block, holding its experts' weights (the router's in float32, as it
+    routes)."""
+    experts = kernels.FusedExperts()
+    experts.router = moe.gate.weight.float()
+    experts.gate_up = [fused_matmul(kernels, expert.gate_up_proj) for expert in moe.experts]
+    experts.down = [fused_matmul(kernels, expert.down_proj) for expert in moe.experts]
+    experts.top_k, experts.normalize = moe.top_k, moe.normalize
+    if moe.shared_expert is not None and moe.shared_expert_gate is not None:
+        experts.shared_gate_up = fused_matmul(kernels, moe.shared_expert.gate_up_proj)
+        experts.shared_down = fused_matmul(kernels, moe.shared_expert.down_proj)
+        experts.shared_gate = moe.shared_expert_gate.weight
+    return experts
+
+
 def build_fused_decoder(
     layers: list[FusableLayer],
     final_norm_weight: Tensor,
@@ -81,7 +98,6 @@ def build_fused_decoder(
     fused = []
     for layer, local in zip(layers, is_local, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
-        assert isinstance(mlp, GatedMLP)
         spec = kernels.FusedLayer()
         spec.input_norm = layer.input_layernorm.weight
         if isinstance(layer, GemmaDecoderLayer):
@@ -93,11 +109,14 @@ def build_fused_decoder(
         if attn.q_norm is not None and attn.k_norm is not None:
             spec.q_norm, spec.k_norm = attn.q_norm.weight, attn.k_norm.weight
         spec.qkv, spec.o_proj = fused_matmul(kernels, attn.qkv_proj), fused_matmul(kernels, attn.o_proj)
-        spec.gate_up, spec.down = (
-            fused_matmul(kernels, mlp.gate_up_proj),
-            fused_matmul(kernels, mlp.down_proj),
-        )
-        spec.activation = mlp.activation
+        if isinstance(mlp, SparseMoE):
+            spec.experts = fused_experts(kernels, mlp)
+            spec.activation = mlp.experts[0].activation
+        else:
+            assert isinstance(mlp, GatedMLP)
+            spec.gate_up = fused_matmul(kernels, mlp.gate_up_proj)
+            spec.down = fused_matmul(kernels, mlp.down_proj)
+            spec.activation = mlp.activation
         spec.window = attn.window or 0
         spec.local_rotary = local
         fused.append(spec)
