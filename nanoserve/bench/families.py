@@ -19,8 +19,11 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
+
+from nanoserve.model.layers.causal_lm import CausalLM
 
 SHAPE = dict(
     vocab_size=49152,
@@ -138,8 +141,7 @@ def against_llama(
     fresh_prompts = FreshPrompts(llama.get_tokenizer(), args.prompt_len)
     for family in families:
         llm = engine(family)
-        model = llm.llm_engine.engine_core.engine_core.runner.model
-        fused = "yes" if model is not None and model.fused_decoder is not None else "no"
+        fused = "yes" if in_process_model(llm).fused_decoder is not None else "no"
         for batch in batches:
             samples: dict[str, list[float]] = {"family": [], "llama": []}
             for one in (llm, llama):
@@ -154,9 +156,14 @@ def against_llama(
     llama.shutdown()
 
 
+def in_process_model(llm) -> CausalLM:
+    """An in-process LLM's model: pre-packed, C++ kernels on."""
+    return llm.llm_engine.engine_core.engine_core.runner.model
+
+
 def first_mlp(llm) -> torch.nn.Module:
-    """Layer 0's MLP (SparseMoE or GatedMLP) of an in-process LLM's model: pre-packed, C++ kernels on."""
-    return llm.llm_engine.engine_core.engine_core.runner.model.layers[0].mlp
+    """Layer 0's MLP (SparseMoE or GatedMLP) of an in-process LLM's model."""
+    return cast(torch.nn.Module, in_process_model(llm).layers[0].mlp)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 
@@ -73,8 +73,9 @@ def fused_experts(kernels: ModuleType, moe: SparseMoE) -> Any:
     routes)."""
     experts = kernels.FusedExperts()
     experts.router = moe.gate.weight.float()
-    experts.gate_up = [fused_matmul(kernels, expert.gate_up_proj) for expert in moe.experts]
-    experts.down = [fused_matmul(kernels, expert.down_proj) for expert in moe.experts]
+    mlps = [cast(GatedMLP, expert) for expert in moe.experts]
+    experts.gate_up = [fused_matmul(kernels, mlp.gate_up_proj) for mlp in mlps]
+    experts.down = [fused_matmul(kernels, mlp.down_proj) for mlp in mlps]
     experts.top_k, experts.normalize = moe.top_k, moe.normalize
     if moe.shared_expert is not None and moe.shared_expert_gate is not None:
         experts.shared_gate_up = fused_matmul(kernels, moe.shared_expert.gate_up_proj)
