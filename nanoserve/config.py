@@ -69,7 +69,8 @@ class EngineOptions:
     each of its matrices in the file's own format (none for HF folders). See nanoserve.model.quant."""
     cpu_kernels: str = "auto"
     """auto: decode attention, RMSNorm, rotary embedding and activations in C++ kernels compiled on first
-    use (CPU, bfloat16/float32) where they build, and decode steps of Llama-shaped models (and their
+    use (CPU, bfloat16/float32) where they build, and decode steps of Llama- and Gemma-shaped models and
+    mixtures of experts (and their
     prefill steps whose attention is all on the C++ kernel) as one fused C++ call
     (nanoserve.model.layers.fused_decoder); unfused: the same kernels called layer by layer from
     the PyTorch modules; off: PyTorch ops only."""

@@ -37,8 +37,8 @@ SHAPE = dict(
     eos_token_id=2,
 )
 KV_CACHE_BYTES = 256 << 20
-"""Per engine: the default GiB, written ahead, for each of two engines alive at once is more than the
-64 new tokens of a batch of 32 need."""
+"""Each engine's KV cache, of which two are alive at once: the default GiB, written ahead of serving, is
+far more than a batch of 32 prompts and 64 new tokens need."""
 NUM_EXPERTS, TOP_K = 8, 2
 MOE = dict(num_local_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, intermediate_size=512)
 QWEN_MOE = dict(num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=512)
@@ -210,7 +210,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'batch':>5}  {'llama tok/s':>18}  {'mixtral tok/s':>18}  {'moe/dense':>9}  "
               f"{'MoE block us':>12}  {'its experts us':>14}  {'dispatch':>8}  {'MLP block us':>12}")  # fmt: skip
         llms = {
-            f: LLM(folders[f], dtype="bfloat16", multiprocess_mode=False, num_threads=args.num_threads)
+            f: LLM(
+                folders[f],
+                dtype="bfloat16",
+                multiprocess_mode=False,
+                num_threads=args.num_threads,
+                kv_cache_memory_bytes=KV_CACHE_BYTES,
+            )
             for f in ("llama", "mixtral")
         }
         fresh_prompts = FreshPrompts(llms["llama"].get_tokenizer(), args.prompt_len)

@@ -81,8 +81,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--cpu-kernels",
         choices=CPU_KERNEL_MODES,
         default=None,
-        help="auto: C++ kernels on CPU where they build, decode (and prefill) steps of Llama-shaped models "
-        "fused into one C++ call; unfused: the same kernels called from the PyTorch modules; "
+        help="auto: C++ kernels on CPU where they build, decode (and prefill) steps of Llama- and "
+        "Gemma-shaped models and mixtures of experts fused into one C++ call; unfused: the same kernels called from the PyTorch modules; "
         "off: PyTorch ops only",
     )
     group.add_argument(

@@ -141,8 +141,8 @@ def choose_quantized_steps(
     steps ran faster all quantized (measured once per machine and model shape, over a KV cache in kv_dtype,
     the model's dtype if None); returns that size, or 0."""
     weights = model.decoder_quantized_weights()
-    if model.fused_decoder is None or not weights:
-        return 0
+    if model.fused_decoder is None or model.config.moe is not None or not weights:
+        return 0  # a mixture of experts never runs in one region: nothing to gain
     sizes = [size for size in STEP_SIZES if size > min(w.max_tokens for w in weights)]
     if not sizes:
         return 0

@@ -102,15 +102,15 @@ def test_decode_attention_window_and_softcap(kernels, two_threads, case, window,
 @pytest.mark.parametrize("shape", [(32, 4096), (3, 1001), (1, 7)])
 def test_soft_cap_logits_matches_torch(kernels, two_threads, shape, cap):
     """In place, to float precision, on both sides of |x| / cap = 0.625 (where the kernel's tanh changes
-    formula), deep into saturation, at infinities, and over a tail of fewer than 16 values."""
+    formula), deep into saturation, at infinities, over a tail of fewer than 16 values; a NaN stays NaN."""
     torch.manual_seed(0)
     logits = torch.randn(shape) * 2 * cap
-    edges = torch.tensor([0.0, 1e-6, -0.6249, 0.6251, 40.0, float("inf"), float("-inf")]) * cap
+    edges = torch.tensor([0.0, 1e-6, -0.6249, 0.6251, 40.0, float("inf"), float("-inf"), float("nan")]) * cap
     logits.view(-1)[: min(len(edges), logits.numel())] = edges[: logits.numel()]
     reference = (torch.tanh(logits.double() / cap) * cap).float()
     out = kernels.soft_cap_logits(logits, cap)
     assert out.data_ptr() == logits.data_ptr()
-    torch.testing.assert_close(out, reference, atol=4e-7 * cap, rtol=0)
+    torch.testing.assert_close(out, reference, atol=4e-7 * cap, rtol=0, equal_nan=True)
 
 
 def test_builds_are_kept_apart_per_cpu():

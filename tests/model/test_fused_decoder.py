@@ -1,12 +1,13 @@
 """The fused decode step (nanoserve/model/layers/fused_decoder.py) against the module path it replaces.
 
 Greedy ids must be the module path's token for token (the fused step runs the same kernels in the same
-order, so it is exact, bf16 included) on every Llama- and Gemma-shaped family of tests/model/families.py, in float32
-and bfloat16, unquantized and int4, at batch 1 and in batches, under chunked prefill and preemption and
-with prefix-cache hits; and on the bundled model. In float32 both also match transformers
-(tests/model/test_families.py runs the engine, fused path included, against it). A step that runs in one
-OpenMP region (quantized, bf16 or float32; float32 unquantized, on dense_matmul) must give the
-kernel-after-kernel step's hidden states bit for bit.
+order, so it is exact, bf16 included) on every Llama- and Gemma-shaped family of tests/model/families.py
+(the mixtures of experts included), in float32 and bfloat16, unquantized and int4, at batch 1 and in
+batches, under chunked prefill and preemption and with prefix-cache hits; and on the bundled model. In
+float32 both also match transformers (tests/model/test_families.py runs the engine, fused path included,
+against it). A step that runs in one OpenMP region (quantized, bf16 or float32; float32 unquantized, on
+dense_matmul) must give the kernel-after-kernel step's hidden states bit for bit, and a mixture of
+experts' block the module's output bit for bit, for one token and for several.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from gguf_files import write_gguf
 
 from nanoserve.core.engine_core import EngineCore
 from nanoserve.model.kernels import cpu_kernels
+from nanoserve.model.layers.fused_decoder import fused_experts
 from nanoserve.model.layers.linear import Linear, cpu_prepack_supported
+from nanoserve.model.layers.moe import SparseMoE
 from nanoserve.model.loader import load_model_config
 from nanoserve.model.quant import GROUP_SIZE, fast_kernels, quantization_error
 from tests.core.engine_steps import request, run_to_completion, tiny_engine
@@ -306,6 +309,27 @@ def test_experts_stay_kernel_after_kernel(shape, tmp_path):
     engine = _engine(build_family(shape, tmp_path / shape), "auto", dtype="float32", quantization="int4")
     model = engine.runner.model
     assert model is not None and not any(model.fused_decoder.one_region_at(n) for n in (1, 6, 32))
+
+
+@pytest.mark.parametrize("shape", ["mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("dtype, quantization", [("bfloat16", "int4"), ("float32", "none")])
+def test_fused_experts_give_the_moe_blocks_bits(shape, dtype, quantization, tmp_path):
+    """One token (its experts one after the other) and several (grouped per expert), with and without
+    renormalized weights and a shared expert."""
+    if quantization != "none":
+        needs_quant_matmul()
+    engine = _engine(build_family(shape, tmp_path / shape), "auto", dtype=dtype, quantization=quantization)
+    model = engine.runner.model
+    assert model is not None
+    blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert blocks
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for moe in blocks:
+            fused = fused_experts(cpu_kernels(), moe)
+            for tokens in (1, 6):
+                x = torch.randn(tokens, model.config.hidden_size).to(model.embed_tokens.weight.dtype)
+                assert torch.equal(fused(x, moe.experts[0].activation), moe(x))
 
 
 def test_unquantized_bf16_steps_stay_kernel_after_kernel(fused_dir):

@@ -24,13 +24,14 @@
 // add_rms_norm: the residual add and the next norm in one pass (the fused decode step's).
 //
 // soft_cap_logits: cap * tanh(logit / cap) in place, one vectorized pass (Gemma 2's final logits), where
-// torch's div, tanh and mul took 2.5-3 ms over a batch-32 step's logits on a Zen 5.
+// torch's div, tanh and mul took 2-3 ms over a batch-32 step's logits on a Zen 5.
 //
 // paged_prefill_attention (prefill_attention.cpp): several new tokens per sequence, causal, from the cache.
 // quant_matmul (quant_matmul.cpp): group-quantized weights times int8-quantized activations, for decode.
 // sample_rows (sampling.cpp): temperature, top-k, top-p and min-p sampling, a row per task; greedy_rows: the
 // argmax of each row.
-// FusedDecoder (fused_decoder.cpp): a whole decode step of the Llama-shaped families, kernel after kernel.
+// FusedDecoder (fused_decoder.cpp): a whole decode step of the Llama- and Gemma-shaped families and the
+// mixtures of experts, kernel after kernel.
 #include "kernels.h"
 #include "vec16.h"
 #include "work_split.h"

@@ -14,7 +14,7 @@
 // (`prefill`), one kernel after another.
 //
 // A step whose every matmul is quant_matmul (bf16 or float32, small batches) or dense_matmul (float32 small
-// batches) runs in one OpenMP region: the
+// batches), in a model without experts (their routing is ATen ops), runs in one OpenMP region: the
 // threads make the same kernel calls over buffers allocated once per step, each taking its share and meeting
 // the others at a barrier (work_split.h), where kernel after kernel would open a region, wake the threads and
 // allocate outputs per call (at batch 1 the second thread sat idle for 60 % of the step).
@@ -162,10 +162,13 @@ struct FusedExperts {
     const at::Tensor tokens = at::floor_divide(order, top_k), inputs = x.index_select(0, tokens);
     const auto* count = counts.data_ptr<int64_t>();
     std::vector<at::Tensor> outputs;
-    for (int64_t e = 0, start = 0; e < static_cast<int64_t>(gate_up.size()); start += count[e++])
-      if (count[e]) outputs.push_back(down[e](activate(gate_up[e](inputs.narrow(0, start, count[e])), activation)));
-    const at::Tensor weighted = at::cat(outputs) * weights.flatten().index_select(0, order).unsqueeze(1).to(x.scalar_type());
-    return at::zeros_like(x).index_add_(0, tokens, weighted);
+    for (int64_t e = 0, start = 0; e < static_cast<int64_t>(gate_up.size()); start += count[e], ++e) {
+      if (count[e] == 0) continue;
+      const at::Tensor rows = inputs.narrow(0, start, count[e]);  // the expert's tokens, as split() cuts them
+      outputs.push_back(down[e](activate(gate_up[e](rows), activation)));
+    }
+    const at::Tensor choice_weights = weights.flatten().index_select(0, order).unsqueeze(1).to(x.scalar_type());
+    return at::zeros_like(x).index_add_(0, tokens, at::cat(outputs) * choice_weights);
   }
 };
 
@@ -570,7 +573,8 @@ void register_fused_decoder(pybind11::module& m) {
       .def_readwrite("normalize", &FusedExperts::normalize)
       .def_readwrite("shared_gate_up", &FusedExperts::shared_gate_up)
       .def_readwrite("shared_down", &FusedExperts::shared_down)
-      .def_readwrite("shared_gate", &FusedExperts::shared_gate);
+      .def_readwrite("shared_gate", &FusedExperts::shared_gate)
+      .def("__call__", &FusedExperts::operator(), py::call_guard<py::gil_scoped_release>());
   py::class_<FusedLayer>(m, "FusedLayer")
       .def(py::init<>())
       .def_readwrite("input_norm", &FusedLayer::input_norm)

@@ -33,7 +33,8 @@ inline V exp_lanes(V x) {
 }
 
 // tanh lane by lane, to float precision: below |x| = 0.625 an odd polynomial (Cephes' tanhf), above it
-// 1 - 2 / (e^2|x| + 1) with x's sign (whose cancellation near 0 the polynomial avoids).
+// 1 - 2 / (e^2|x| + 1) with x's sign (whose cancellation near 0 the polynomial avoids). A NaN stays NaN, as
+// with std::tanh, found by its bits (-ffast-math lets the compiler drop a float x != x).
 template <typename V, typename I>
 inline V tanh_lanes(V x) {
   const V magnitude = x < 0 ? -x : x;
@@ -44,7 +45,8 @@ inline V tanh_lanes(V x) {
   p = p * z - 3.33332819422e-1f;
   const V near_zero = p * z * x + x;
   const V away = 1.f - 2.f / (exp_lanes<V, I>(2.f * magnitude) + 1.f);
-  return magnitude < 0.625f ? near_zero : (x < 0 ? -away : away);
+  const I nan = ((I)x & 0x7fffffff) > 0x7f800000;
+  return nan ? x : magnitude < 0.625f ? near_zero : (x < 0 ? -away : away);
 }
 
 template <typename V>

@@ -243,10 +243,10 @@ class CausalLM(nn.Module):
             self.dense_embed = dense
 
     def use_cpu_kernels(self, kernels: ModuleType, fused_decode: bool = True) -> None:
-        """RMSNorm and the MLP's activation in C++; attention takes its kernels from AttentionMetadata.
-        With fused_decode, decode-only steps of Llama- and Gemma-shaped layers run as one C++ call (after quantize:
-        it holds the weights as they are then, and pointers into their storage; call it again after moving
-        a weight to new storage)."""
+        """RMSNorm, the MLP's activation and the logits' soft-cap in C++; attention takes its kernels from
+        AttentionMetadata. With fused_decode, decode-only steps of Llama- and Gemma-shaped layers (experts
+        included) run as one C++ call (after quantize: it holds the weights as they are then, and pointers
+        into their storage; call it again after moving a weight to new storage)."""
         activations = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul}
         self.soft_cap_kernel = kernels.soft_cap_logits
         for module in self.modules():
