@@ -78,6 +78,14 @@ STAND_INS = (
         lacks="avx512f",
     ),
     StandIn(
+        "AVX-512 without VNNI (Intel Skylake-SP and -X): AVX-512 attention beside the AVX2 quantized matmul",
+        "skylake-avx512",
+        "AVX512_CORE",
+        "avx512",
+        AVX512,
+        lacks="avx512_vnni",
+    ),
+    StandIn(
         "AVX-512 with VNNI, no BF16 (Intel Cascade Lake, Ice Lake)",
         "cascadelake",
         "AVX512_CORE_VNNI",
