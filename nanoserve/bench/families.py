@@ -49,6 +49,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen2": ("Qwen2", {}),
     "qwen3": ("Qwen3", dict(head_dim=64)),
     "phi3": ("Phi3", dict(num_key_value_heads=8)),
+    "phi4": ("Phi3", dict(num_key_value_heads=8, partial_rotary_factor=0.75)),
     "gemma2": ("Gemma2", GEMMA | dict(sliding_window=1024)),
     "gemma3": ("Gemma3Text", GEMMA | dict(sliding_window=512)),
     "mixtral": ("Mixtral", MOE),

@@ -17,10 +17,11 @@ import pytest
 import torch
 from families import SHAPES, VOCAB, build_family
 from gguf_files import write_gguf
+from torch import nn
 
 from nanoserve.core.engine_core import EngineCore
 from nanoserve.model.kernels import cpu_kernels
-from nanoserve.model.layers.fused_decoder import fused_experts
+from nanoserve.model.layers.fused_decoder import fusable_layers, fused_experts
 from nanoserve.model.layers.linear import Linear, cpu_prepack_supported
 from nanoserve.model.layers.moe import SparseMoE
 from nanoserve.model.loader import load_model_config
@@ -36,13 +37,14 @@ FUSED_SHAPES = (
     "qwen3-mha-untied",
     "phi3-window-short",
     "phi3-longrope-long",
+    "phi4-partial-rotary",
     "gemma2-gqa",
     "gemma2-mha-untied",
     "gemma3",
     *MOE_SHAPES,
 )
-"""Every shape whose layers are the Llama (mixtures of experts included) or the Gemma shape; the others keep
-the module path."""
+"""Every shape of tests/model/families.py: the Llama (mixtures of experts and partial rotation included) and
+the Gemma shapes."""
 LENGTHS = (17, 40, 28, 21, 33, 19, 25, 18)
 """Longer than the windows and than LongRoPE's pretraining length (tests/model/families.py)."""
 
@@ -116,10 +118,9 @@ def test_fused_decode_gives_the_module_paths_ids(fused_dir, dtype, quantization)
     assert results["auto"] == results["unfused"]
 
 
-@pytest.mark.parametrize("shape", sorted(set(SHAPES) - set(FUSED_SHAPES)))
-def test_other_shapes_keep_the_module_path(shape, tmp_path):
-    engine = tiny_engine(build_family(shape, tmp_path / shape))
-    assert engine.runner.model is not None and engine.runner.model.fused_decoder is None
+def test_every_family_shape_is_fused_and_other_layers_are_not():
+    assert set(FUSED_SHAPES) == set(SHAPES)
+    assert fusable_layers([nn.Linear(4, 4)]) is None
 
 
 @pytest.mark.parametrize("quantization", ["none", "int4", "int8"])

@@ -21,6 +21,7 @@ from families import VOCAB, build_family
 from nanoserve.config import EngineOptions
 from nanoserve.entrypoints.cli import build_parser, engine_options_from_args
 from nanoserve.model import kv_rows
+from nanoserve.model.layers.rotary import apply_rope
 from nanoserve.model.runner import KV_CACHE_TORCH_DTYPES
 from tests.core.engine_steps import request, run_to_completion, tiny_engine
 
@@ -114,6 +115,29 @@ def test_rope_write_kv_rounds_k_and_v_into_a_bf16_cache(kernels):
     torch.testing.assert_close(rounded.float(), widened, atol=0, rtol=2**-8)
     torch.testing.assert_close(rounded, widened.to(torch.bfloat16), atol=0, rtol=2**-7)
     assert rounded.view(2, num_kv_heads, -1, head_dim)[:, :, slots].abs().sum() > 0
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 48])
+def test_rope_write_kv_rotates_as_pytorch_does_whole_heads_or_their_first_dims(kernels, rotary_dim):
+    """48 of 64: Phi-4-mini's partial rotation, the rest of each head passed through as it is."""
+    torch.manual_seed(2)
+    num_heads, num_kv_heads, head_dim, tokens = 6, 2, 64, 9
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+    cos_sin = torch.randn(tokens, 2, 1, rotary_dim)
+    slots = torch.randperm(128)[:tokens]
+    cache = torch.zeros(2, num_kv_heads, 8, 16, head_dim)
+
+    q = kernels.rope_write_kv(qkv, cos_sin, cache, slots, num_heads, num_kv_heads)
+
+    heads = qkv.view(tokens, -1, head_dim)
+    rotated = apply_rope(heads[:, : num_heads + num_kv_heads], cos_sin)
+    torch.testing.assert_close(q, rotated[:, :num_heads], atol=1e-6, rtol=1e-6)
+    written = cache.view(2, num_kv_heads, -1, head_dim)[:, :, slots].transpose(
+        1, 2
+    )  # [2, tokens, kv heads, D]
+    torch.testing.assert_close(written[0], rotated[:, num_heads:], atol=1e-6, rtol=1e-6)
+    assert torch.equal(written[1], heads[:, num_heads + num_kv_heads :])
+    assert torch.equal(q[..., rotary_dim:], heads[:, :num_heads, rotary_dim:])
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e5m2, torch.int8])

@@ -542,19 +542,22 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 
 namespace {
 
-// x rotated by cos and sin into dst, rounded to dst's dtype (a bf16 cache's K rows from float32 ones)
+// A head x with its first rotary_dim values rotated by cos and sin (the rest as they are) into dst, rounded
+// to dst's dtype (a bf16 cache's K rows from float32 ones)
 template <typename T, typename OUT>
-inline void rotate_row(const T* x, const T* cos, const T* sin, OUT* dst, int64_t head_dim) {
-  const int64_t half = head_dim / 2;
+inline void rotate_row(const T* x, const T* cos, const T* sin, OUT* dst, int64_t rotary_dim, int64_t head_dim) {
+  const int64_t half = rotary_dim / 2;
   for (int64_t i = 0; i < half; ++i)  // two loops without a select: both vectorize
     dst[i] = static_cast<OUT>(to_float(x[i]) * to_float(cos[i]) + to_float(x[i + half]) * to_float(sin[i]));
-  for (int64_t i = half; i < head_dim; ++i)
+  for (int64_t i = half; i < rotary_dim; ++i)
     dst[i] = static_cast<OUT>(to_float(x[i]) * to_float(cos[i]) + to_float(x[i - half]) * to_float(sin[i]));
+  for (int64_t i = rotary_dim; i < head_dim; ++i) dst[i] = static_cast<OUT>(to_float(x[i]));
 }
 
 template <typename T, typename KV>
 void rope_rows(const T* qkv, const T* cos_sin, T* q_out, KV* cache, const int64_t* slots, int64_t num_tokens,
-               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head) {
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
+               int64_t slots_per_head) {
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
   const int64_t cached_row = cache_row<KV>(head_dim);
   split_work(0, num_tokens, raw::ROPE_GRAIN_TOKENS, [&](int64_t begin, int64_t end) {
@@ -562,19 +565,19 @@ void rope_rows(const T* qkv, const T* cos_sin, T* q_out, KV* cache, const int64_
     std::vector<T> rotated(BYTES ? head_dim : 0);
     std::vector<float> values(rotated.size());
     for (int64_t t = begin; t < end; ++t) {
-      const T* cos = cos_sin + t * 2 * head_dim;  // [cos, cos]
-      const T* sin = cos + head_dim;              // [-sin, sin]
+      const T* cos = cos_sin + t * 2 * rotary_dim;  // [cos, cos]
+      const T* sin = cos + rotary_dim;              // [-sin, sin]
       const T* src = qkv + t * row;
       for (int64_t h = 0; h < num_heads + 2 * num_kv_heads; ++h) {
         const T* x = src + h * head_dim;
         if (h < num_heads) {
-          rotate_row(x, cos, sin, q_out + (t * num_heads + h) * head_dim, head_dim);
+          rotate_row(x, cos, sin, q_out + (t * num_heads + h) * head_dim, rotary_dim, head_dim);
           continue;
         }
         const int64_t kv = h < num_heads + num_kv_heads ? 0 : 1, kv_head = (h - num_heads) % num_kv_heads;
         KV* dst = cache + ((kv * num_kv_heads + kv_head) * slots_per_head + slots[t]) * cached_row;
         if constexpr (BYTES) {  // from the values a T cache would hold, as PyTorch's path rounds them
-          if (kv == 0) rotate_row(x, cos, sin, rotated.data(), head_dim);
+          if (kv == 0) rotate_row(x, cos, sin, rotated.data(), rotary_dim, head_dim);
           const T* source = kv == 0 ? rotated.data() : x;
           for (int64_t i = 0; i < head_dim; ++i) values[i] = to_float(source[i]);
           if constexpr (std::is_same_v<KV, int8_t>) {
@@ -583,7 +586,7 @@ void rope_rows(const T* qkv, const T* cos_sin, T* q_out, KV* cache, const int64_
             for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<KV>(values[i]);
           }
         } else if (kv == 0)
-          rotate_row(x, cos, sin, dst, head_dim);
+          rotate_row(x, cos, sin, dst, rotary_dim, head_dim);
         else if constexpr (std::is_same_v<T, KV>)
           std::memcpy(dst, x, head_dim * sizeof(T));
         else
@@ -612,7 +615,8 @@ void act_mul_rows(const T* x, T* out, int64_t rows, int64_t width) {
 
 }  // namespace
 
-// qkv: [T, (H + 2 Hkv) * D] contiguous; cos_sin: [T, 2, 1, D] contiguous (cos twice, then -sin and sin);
+// qkv: [T, (H + 2 Hkv) * D] contiguous; cos_sin: [T, 2, 1, R] contiguous (cos twice, then -sin and sin), R
+// the dims rotated at the start of each head (D, or fewer for Phi-4-mini's partial rotation);
 // kv_cache: [2, Hkv, num_blocks, block_size, row]; slot_mapping: int64 [T] -> rotated q [T, H, D].
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor kv_cache,
                             torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
@@ -620,7 +624,10 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos_sin, torch::Ten
   TORCH_CHECK(cos_sin.scalar_type() == qkv.scalar_type());
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous());
   const int64_t num_tokens = qkv.size(0), head_dim = qkv.size(1) / (num_heads + 2 * num_kv_heads);
-  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim && head_dim % 2 == 0);
+  const int64_t rotary_dim = cos_sin.size(-1);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim && rotary_dim % 2 == 0 &&
+                  rotary_dim <= head_dim && cos_sin.numel() == num_tokens * 2 * rotary_dim,
+              "rope_write_kv: cos/sin rows [T, 2, 1, R] of an even R up to the head size");
   auto q = torch::empty({num_tokens, num_heads, head_dim}, qkv.options());
   const int64_t slots_per_head = kv_cache.size(2) * kv_cache.size(3);
   with_attention_types(qkv.scalar_type(), kv_cache.scalar_type(), [&](auto t, auto kv) {
@@ -629,7 +636,8 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos_sin, torch::Ten
     TORCH_CHECK(kv_cache.size(4) == cache_row<KV>(head_dim), "KV cache rows of ", kv_cache.size(4),
                 " elements for a head size of ", head_dim);
     rope_rows(qkv.data_ptr<T>(), cos_sin.data_ptr<T>(), q.data_ptr<T>(), kv_cache.data_ptr<KV>(),
-              slot_mapping.data_ptr<int64_t>(), num_tokens, num_heads, num_kv_heads, head_dim, slots_per_head);
+              slot_mapping.data_ptr<int64_t>(), num_tokens, num_heads, num_kv_heads, head_dim, rotary_dim,
+              slots_per_head);
   });
   return q;
 }
@@ -707,8 +715,9 @@ void add_bias(T* x, const T* bias, int64_t rows, int64_t width) {
 
 template <typename T, typename KV>
 void rope_write_kv(const T* qkv, const T* cos_sin, T* q, KV* cache, const int64_t* slots, int64_t tokens,
-                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head) {
-  rope_rows(qkv, cos_sin, q, cache, slots, tokens, num_heads, num_kv_heads, head_dim, slots_per_head);
+                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
+                   int64_t slots_per_head) {
+  rope_rows(qkv, cos_sin, q, cache, slots, tokens, num_heads, num_kv_heads, head_dim, rotary_dim, slots_per_head);
 }
 
 template <typename T>
@@ -747,7 +756,7 @@ NANOSERVE_RAW_KERNELS(float)
 // the pairs of with_attention_types
 #define NANOSERVE_ATTENTION_KERNELS(T, KV)                                                                          \
   template void rope_write_kv(const T*, const T*, T*, KV*, const int64_t*, int64_t, int64_t, int64_t, int64_t,      \
-                              int64_t);                                                                             \
+                              int64_t, int64_t);                                                                    \
   template void decode_attention(const T*, const KV*, const int32_t*, const int64_t*, const DecodeAttentionShape&,  \
                                  double, int64_t, double, const AttentionSplit&, float*, T*);
 NANOSERVE_ATTENTION_KERNELS(at::BFloat16, at::BFloat16)

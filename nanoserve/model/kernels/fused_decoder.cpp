@@ -218,10 +218,12 @@ class FusedDecoder {
         num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         softcap_(softcap) {
     TORCH_CHECK(embedding_.dim() == 2 && embedding_.is_contiguous(), "FusedDecoder: a contiguous embedding");
+    TORCH_CHECK(rotary_.dim() == 3 && rotary_.size(1) == 2 && rotary_dim() % 2 == 0 && rotary_dim() <= head_dim_,
+                "FusedDecoder: a rotary table [positions, 2, R], R even and at most the head size");
     for (const at::Tensor* table : {&rotary_, &local_rotary_})
-      TORCH_CHECK(table->dim() == 3 && table->size(1) == 2 && table->size(2) == head_dim_ && table->is_contiguous() &&
-                      table->scalar_type() == embedding_.scalar_type() && table->size(0) == rotary_.size(0),
-                  "FusedDecoder: rotary tables [positions, 2, head_dim] in the embedding's dtype");
+      TORCH_CHECK(table->sizes() == rotary_.sizes() && table->is_contiguous() &&
+                      table->scalar_type() == embedding_.scalar_type(),
+                  "FusedDecoder: contiguous rotary tables of one shape, in the embedding's dtype");
     for (const FusedLayer& layer : layers_)
       if (layer.experts) return;  // their routing and grouping: ATen ops, kernel after kernel
     if (!weights_fit_one_region()) return;
@@ -261,9 +263,10 @@ class FusedDecoder {
     TORCH_CHECK(token_ids.dim() == 1 && positions.sizes() == token_ids.sizes(), "FusedDecoder: ids and positions [T]");
     const int64_t tokens = token_ids.size(0);
     StepInputs in{embedding_.index_select(0, token_ids),
-                  rotary_.index_select(0, positions).view({tokens, 2, 1, head_dim_}), {}, slot_mapping};
-    in.local_cos_sin = has_local_rotary() ? local_rotary_.index_select(0, positions).view({tokens, 2, 1, head_dim_})
-                                          : in.cos_sin;
+                  rotary_.index_select(0, positions).view({tokens, 2, 1, rotary_dim()}), {}, slot_mapping};
+    in.local_cos_sin = has_local_rotary()
+                           ? local_rotary_.index_select(0, positions).view({tokens, 2, 1, rotary_dim()})
+                           : in.cos_sin;
     scale_embeddings(in.x);
     auto attend = [&](const at::Tensor& q, const at::Tensor& cache, int64_t window) {
       return paged_prefill_attention(q, cache, block_table, query_starts, query_lens, seq_lens, scale_, window,
@@ -302,6 +305,9 @@ class FusedDecoder {
   };
 
   bool has_local_rotary() const { return !local_rotary_.is_same(rotary_); }
+
+  // the dims rotated at the start of each head: all of them, or fewer (Phi-4-mini's partial rotation)
+  int64_t rotary_dim() const { return rotary_.size(2); }
 
   // x * embed_scale in x's dtype, as the module path multiplies it (CausalLM.forward)
   void scale_embeddings(at::Tensor& x) const {
@@ -384,14 +390,14 @@ class FusedDecoder {
                 "FusedDecoder: a contiguous int32 block table [S, B]");
     const at::Tensor ids = token_ids.contiguous(), lens = seq_lens.contiguous();
     at::Tensor x = at::empty({rows, embedding_.size(1)}, embedding_.options());
-    at::Tensor cos_sin = at::empty({rows, 2, 1, head_dim_}, rotary_.options());
+    at::Tensor cos_sin = at::empty({rows, 2, 1, rotary_dim()}, rotary_.options());
     at::Tensor local_cos_sin = has_local_rotary() ? at::empty_like(cos_sin) : cos_sin;
     at::Tensor slots = at::empty({rows}, lens.options());
     const auto* id = ids.data_ptr<int64_t>();
     const auto* len = lens.data_ptr<int64_t>();
     const auto* table = block_table.data_ptr<int32_t>();
     auto* slot = slots.data_ptr<int64_t>();
-    const int64_t x_row = x.size(1) * x.element_size(), rotary_row = 2 * head_dim_ * rotary_.element_size();
+    const int64_t x_row = x.size(1) * x.element_size(), rotary_row = 2 * rotary_dim() * rotary_.element_size();
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t position = len[r] - 1, index = position / block_size;
       TORCH_CHECK(id[r] >= 0 && id[r] < embedding_.size(0), "FusedDecoder: token id ", id[r], " out of range");
@@ -484,7 +490,7 @@ class FusedDecoder {
         if (layer.q_norm)
           raw::norm_heads(qkv_p, layer.q_norm, layer.k_norm, rows, num_heads_, num_kv_heads_, head_dim_, eps);
         raw::rope_write_kv(qkv_p, layer.local_rotary ? local_cs : cs, q_p, caches[i], slots, rows, num_heads_,
-                           num_kv_heads_, head_dim_, slots_per_head);
+                           num_kv_heads_, head_dim_, rotary_dim(), slots_per_head);
         raw::decode_attention(q_p, caches[i], table, lens, shape, scale_, layer.window, softcap_, splits[i],
                               attention_scratch.data(), att);
         layer.o_proj.into(att, rows, scratch, dl);

@@ -278,7 +278,8 @@ void add_bias(T* x, const T* bias, int64_t rows, int64_t width);
 constexpr int64_t ROPE_GRAIN_TOKENS = 4;
 template <typename T, typename KV>
 void rope_write_kv(const T* qkv, const T* cos_sin, T* q, KV* cache, const int64_t* slots, int64_t tokens,
-                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slots_per_head);
+                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
+                   int64_t slots_per_head);
 template <typename T>
 void act_and_mul(bool gelu, const T* x, T* out, int64_t rows, int64_t width);
 template <typename T>

@@ -6,14 +6,14 @@ matmuls. The fused decoder calls the same kernels, with the same per-step-size m
 another in C++, so its output is the module path's bit for bit. It also looks up the embeddings, the
 rotary rows and the cache slots itself, so a decode step needs no attention metadata from Python.
 
-It serves models whose every layer is the Llama shape (DecoderLayer, rotation over whole heads) or Gemma's
-(GemmaDecoderLayer: a norm on each block's output too, scaled embeddings, Gemma 3's second rotary table):
-Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, and the mixtures of experts (Mixtral, Qwen2-MoE,
-Qwen3-MoE), whose routing and grouping are the module path's ATen ops called from C++. Prefill steps whose
-every sequence the C++ prefill kernel attends run through it too (`prefill`): for a 512-token prompt the
-module path's Python between the kernels cost about 6 ms of 110 (bundled model, int4, AMX Xeon). The module
-path stays the reference and the fallback: mixed steps, prompts sent to torch's flash attention, partial
-rotation (Phi-4-mini) and machines without the C++ kernels.
+It serves models whose every layer is the Llama shape (DecoderLayer) or Gemma's (GemmaDecoderLayer: a norm
+on each block's output too, scaled embeddings, Gemma 3's second rotary table): Llama, Mistral, Qwen2, Qwen3,
+Phi-3 and Phi-4-mini (whose rotation covers the first three quarters of each head), Gemma 2 and 3, and the
+mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE), whose routing and grouping are the module path's ATen
+ops called from C++. Prefill steps whose every sequence the C++ prefill kernel attends run through it too
+(`prefill`): for a 512-token prompt the module path's Python between the kernels cost about 6 ms of 110
+(bundled model, int4, AMX Xeon). The module path stays the reference and the fallback: mixed steps, prompts
+sent to torch's flash attention, and machines without the C++ kernels.
 """
 
 from __future__ import annotations
@@ -34,14 +34,13 @@ FusableLayer = DecoderLayer | GemmaDecoderLayer
 
 
 def fusable_layers(layers: Sequence[nn.Module]) -> list[FusableLayer] | None:
-    """The layers, when every one is the Llama shape (its MLP a GatedMLP or a SparseMoE) or the Gemma shape,
-    with rotation over whole heads; else None."""
+    """The layers, when every one is the Llama shape (its MLP a GatedMLP or a SparseMoE) or the Gemma shape;
+    else None."""
     fusable = [
         layer
         for layer in layers
         if isinstance(layer, (DecoderLayer, GemmaDecoderLayer))
         and isinstance(layer.mlp, (GatedMLP, SparseMoE))
-        and layer.self_attn.rotary_dim == layer.self_attn.head_dim
     ]
     return fusable if len(fusable) == len(layers) else None
 

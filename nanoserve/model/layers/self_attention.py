@@ -1,8 +1,8 @@
 """SelfAttention: one fused q/k/v matmul, optional per-head q/k RMSNorm, rotary embedding, the K/V write
 into the paged cache, attention over it (nanoserve.model.attention), the output projection.
 
-With the C++ kernels, the rotation and the cache write are one pass over the fused projection (where the
-rotation covers whole heads); q/k norms, when the family has them, run first in place.
+With the C++ kernels, the rotation (of whole heads, or of their first dims: Phi-4-mini) and the cache write
+are one pass over the fused projection; q/k norms, when the family has them, run first in place.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class SelfAttention(nn.Module):
             heads[:, q_end:k_end] = self.k_norm(heads[:, q_end:k_end].reshape(-1, self.head_dim)).view_as(
                 heads[:, q_end:k_end]
             )
-        if attn.kernels is not None and self.rotary_dim == self.head_dim:
+        if attn.kernels is not None:
             q = attn.kernels.rope_write_kv(
                 qkv, cos_sin, kv_cache, attn.slot_mapping, self.num_heads, self.num_kv_heads
             )
