@@ -127,10 +127,11 @@ struct FusedExperts {
   at::Tensor operator()(const at::Tensor& x, const std::string& activation) const {
     auto [weights, experts] = route(x);
     at::Tensor out;
-    if (x.size(0) == 1) {
+    if (x.size(0) == 1) {  // the choices read in place, as the module path reads them with tolist()
+      const at::Tensor chosen = experts.contiguous(), chosen_weights = weights.contiguous();
       for (int64_t j = 0; j < top_k; ++j) {
-        const int64_t e = experts[0][j].item<int64_t>();
-        const double weight = weights[0][j].item<double>();
+        const int64_t e = chosen.data_ptr<int64_t>()[j];
+        const double weight = chosen_weights.data_ptr<float>()[j];
         const at::Tensor y = down[e](activate(gate_up[e](x), activation));
         if (j == 0)
           out = y * weight;
@@ -261,12 +262,12 @@ class FusedDecoder {
                      const at::Tensor& query_lens, const at::Tensor& seq_lens) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "FusedDecoder: one KV cache per layer");
     TORCH_CHECK(token_ids.dim() == 1 && positions.sizes() == token_ids.sizes(), "FusedDecoder: ids and positions [T]");
-    const int64_t tokens = token_ids.size(0);
-    StepInputs in{embedding_.index_select(0, token_ids),
-                  rotary_.index_select(0, positions).view({tokens, 2, 1, rotary_dim()}), {}, slot_mapping};
-    in.local_cos_sin = has_local_rotary()
-                           ? local_rotary_.index_select(0, positions).view({tokens, 2, 1, rotary_dim()})
-                           : in.cos_sin;
+    auto rows_of = [&](const at::Tensor& table) {
+      return table.index_select(0, positions).view({token_ids.size(0), 2, 1, rotary_dim()});
+    };
+    const at::Tensor cos_sin = rows_of(rotary_);
+    StepInputs in{embedding_.index_select(0, token_ids), cos_sin,
+                  has_local_rotary() ? rows_of(local_rotary_) : cos_sin, slot_mapping};
     scale_embeddings(in.x);
     auto attend = [&](const at::Tensor& q, const at::Tensor& cache, int64_t window) {
       return paged_prefill_attention(q, cache, block_table, query_starts, query_lens, seq_lens, scale_, window,
@@ -298,8 +299,8 @@ class FusedDecoder {
   }
 
  private:
-  // A step's embeddings [T, hidden], rotary rows by each table [T, 2, 1, head_dim] (local_cos_sin: cos_sin's
-  // tensor where there is one table) and the cache slot each new token's K/V goes to
+  // A step's embeddings [T, hidden], rotary rows by each table [T, 2, 1, R] (local_cos_sin: cos_sin's tensor
+  // where there is one table) and the cache slot each new token's K/V goes to
   struct StepInputs {
     at::Tensor x, cos_sin, local_cos_sin, slot_mapping;
   };
@@ -464,6 +465,7 @@ class FusedDecoder {
     std::vector<float> attention_scratch(scratch_floats);
     const T* input = x.data_ptr<T>();
     const T *cs = in.cos_sin.data_ptr<T>(), *local_cs = in.local_cos_sin.data_ptr<T>();
+    const int64_t rotary_dim = this->rotary_dim();  // read once: the region's threads would each reach rotary_
     const int64_t* slots = in.slot_mapping.data_ptr<int64_t>();
     T *res = residual.data_ptr<T>(), *hn = h.data_ptr<T>(), *dl = delta.data_ptr<T>();
     T *qkv_p = qkv.data_ptr<T>(), *q_p = q.data_ptr<T>(), *att = attended.data_ptr<T>();
@@ -490,7 +492,7 @@ class FusedDecoder {
         if (layer.q_norm)
           raw::norm_heads(qkv_p, layer.q_norm, layer.k_norm, rows, num_heads_, num_kv_heads_, head_dim_, eps);
         raw::rope_write_kv(qkv_p, layer.local_rotary ? local_cs : cs, q_p, caches[i], slots, rows, num_heads_,
-                           num_kv_heads_, head_dim_, rotary_dim(), slots_per_head);
+                           num_kv_heads_, head_dim_, rotary_dim, slots_per_head);
         raw::decode_attention(q_p, caches[i], table, lens, shape, scale_, layer.window, softcap_, splits[i],
                               attention_scratch.data(), att);
         layer.o_proj.into(att, rows, scratch, dl);
@@ -544,7 +546,7 @@ class FusedDecoder {
   std::vector<RegionLayer<float>> float_layers_;
   std::vector<RegionLayer<at::BFloat16>> bf16_layers_;
   at::Tensor final_norm_, embedding_;
-  at::Tensor rotary_, local_rotary_;  // cos/sin tables [positions, 2, head_dim]; local_rotary_: rotary_ itself if one
+  at::Tensor rotary_, local_rotary_;  // cos/sin tables [positions, 2, R]; local_rotary_: rotary_ itself if one
   std::optional<double> embed_scale_;
   // the region's barrier and the threads' speeds, learned step after step: one forward at a time, as the KV
   // caches need anyway

@@ -75,7 +75,8 @@ class CausalLM(nn.Module):
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.soft_cap_kernel: Callable[[Tensor, float], Tensor] | None = None
-        """The C++ soft_cap_logits (in place, on contiguous CPU float32 logits), set by use_cpu_kernels."""
+        """The C++ soft_cap_logits (in place, on the lm_head's contiguous float32 output), set by
+        use_cpu_kernels."""
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor], attn: AttentionMetadata
@@ -120,7 +121,7 @@ class CausalLM(nn.Module):
         cap = self.config.final_softcap
         if cap is None:
             return logits
-        if self.soft_cap_kernel is not None and logits.is_contiguous() and logits.device.type == "cpu":
+        if self.soft_cap_kernel is not None:
             return self.soft_cap_kernel(logits, cap)
         return torch.tanh(logits / cap) * cap
 
