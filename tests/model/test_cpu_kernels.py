@@ -1,5 +1,5 @@
 """The C++ decode- and prefill-attention kernels against attention written out in PyTorch, on a scattered
-paged cache; the logits' soft-capping against torch's tanh.
+paged cache; the logits' soft-capping against torch's tanh; the MLP's activations against torch's.
 
 The model tests run the kernel through tiny models (head size 16); these cover the head sizes compiled
 as constants (64 is the bundled model's), contexts of many blocks whose scores grow along the context
@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 
 def _reference(q, kv_cache, block_table, seq_lens, window=0, softcap=0.0):
@@ -111,6 +112,28 @@ def test_soft_cap_logits_matches_torch(kernels, two_threads, shape, cap):
     out = kernels.soft_cap_logits(logits, cap)
     assert out.data_ptr() == logits.data_ptr()
     torch.testing.assert_close(out, reference, atol=4e-7 * cap, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(32, 2 * 1536), (9, 2 * 40), (1, 2 * 7)])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_activation_and_mul_matches_torch(kernels, two_threads, activation, shape, dtype):
+    """act(gate) * up over [T, 2 I] rows against float64: a few float32 steps off (and gelu's cancellation
+    near 0), so a bf16 result is at most one of its own steps off after rounding; over whole lanes and a
+    tail of fewer than 16. Gates far below -88 (e^-g past float's range) give -0, not NaN."""
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 4).to(dtype)
+    x[0, :4] = torch.tensor([0.0, 90.0, -90.0, -1e-6])
+    gate, up = x.double().chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    reference = (act * up).to(dtype)
+    out = getattr(kernels, f"{activation}_and_mul")(x)
+    assert out.dtype == dtype and out.shape == (shape[0], shape[1] // 2)
+    assert torch.isfinite(out).all()
+    steps = 2 if dtype == torch.bfloat16 else 8
+    cancelled = 4 * torch.finfo(torch.float32).eps * (gate * up).abs()  # gelu's 1 + tanh near -1, in float32
+    tolerance = steps * torch.finfo(dtype).eps * reference.double().abs() + cancelled + 1e-30
+    assert ((out.double() - reference.double()).abs() <= tolerance).all()
 
 
 def test_builds_are_kept_apart_per_cpu():

@@ -596,7 +596,9 @@ void rope_rows(const T* qkv, const T* cos_sin, T* q_out, KV* cache, const int64_
   });
 }
 
-inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+// e^-g capped at e^88 (float's largest power of e): under -ffast-math g / inf is g times an approximate
+// reciprocal of inf refined by Newton's step, 0 * inf, so a gate below -88.7 gave NaN where torch gives -0.
+inline float silu(float g) { return g / (1.f + std::exp(std::min(-g, 88.f))); }
 inline float gelu_tanh(float g) {  // PyTorch's gelu(approximate="tanh")
   return 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
 }
