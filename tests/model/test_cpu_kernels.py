@@ -160,6 +160,29 @@ def test_a_named_target_builds_apart_from_native(monkeypatch):
     assert library_name(cpu_identity()) != native
 
 
+def test_a_new_build_removes_all_but_the_most_recently_used(monkeypatch, tmp_path):
+    """Every source change makes a new build: the cache keeps the KEPT_BUILDS last loaded, and the new one."""
+    import os
+
+    from nanoserve import envs
+    from nanoserve.model import kernels as kernel_builds
+
+    monkeypatch.setenv(envs.KERNEL_DIR, str(tmp_path))
+    builds = [tmp_path / f"{kernel_builds.PREFIX}{i:02d}" for i in range(12)]
+    for age, folder in enumerate(builds):
+        folder.mkdir()
+        os.utime(folder, (1e9 - age, 1e9 - age))  # builds[0] the most recently used
+    kernel_builds.mark_used(builds[11])  # loaded now: the most recent of all
+    (tmp_path / "matmul_choice.json").write_text("{}")
+    new = tmp_path / f"{kernel_builds.PREFIX}new"
+    new.mkdir()
+    os.utime(new, (0, 0))
+    kernel_builds.prune_builds(keep=new)
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    expected = [builds[11], *builds[: kernel_builds.KEPT_BUILDS - 2], new]
+    assert kept == sorted([p.name for p in expected] + ["matmul_choice.json"])
+
+
 def _prefill_reference(q, kv_cache, block_table, query_lens, seq_lens, scale, window, softcap):
     """Each sequence's queries sit at the last query_len positions of its context."""
     num_heads, head_dim = q.shape[1:]

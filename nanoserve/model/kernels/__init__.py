@@ -5,8 +5,9 @@ nanoserve.model.kernels` does it ahead of time (make setup does). The library la
 a name that hashes the source, the flags and the CPU (`-march=native` code built on one CPU may not run on
 another that shares the home folder), and a later process imports it directly: torch's loader would
 take a lock file and rerun ninja in every engine start, and a process killed while holding that lock
-leaves every later start waiting on it. Where the kernels cannot be built (no compiler), the engine keeps
-to its pure-PyTorch paths.
+leaves every later start waiting on it. Every change of source, flags, torch or CPU makes a new build of
+about 9 MB, so a new build removes all but the KEPT_BUILDS most recently used. Where the kernels cannot be
+built (no compiler), the engine keeps to its pure-PyTorch paths.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import functools
 import hashlib
 import importlib.util
 import logging
+import os
 import platform
+import shutil
 from pathlib import Path
 from types import ModuleType
 
@@ -39,6 +42,10 @@ HEADERS = [
     Path(__file__).with_name(name)
     for name in ("kernels.h", "vec16.h", "work_split.h", "quant_avx2.h", "quant_avx512.h")
 ]
+PREFIX = "nanoserve_cpu_kernels_"
+KEPT_BUILDS = 8
+"""Builds kept in the cache: a machine's own and those of the CPUs that share its home folder, or that
+tests/other_cpus.py stands in for (four on an AVX-512 machine)."""
 FLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 """-ffast-math lets the compiler vectorize the float reductions (sums in any order)."""
 
@@ -97,7 +104,24 @@ def library_name(cpu: str) -> str:
 
     digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS))
     digest.update(" ".join(build_flags()).encode() + torch.__version__.encode() + cpu.encode())
-    return f"nanoserve_cpu_kernels_{digest.hexdigest()[:12]}"
+    return f"{PREFIX}{digest.hexdigest()[:12]}"
+
+
+def mark_used(folder: Path) -> None:
+    """A build's folder's time is when a process last loaded it (a read-only cache keeps its own)."""
+    try:
+        os.utime(folder)
+    except OSError:
+        pass
+
+
+def prune_builds(keep: Path) -> None:
+    """Removes all but the KEPT_BUILDS most recently used builds, never `keep` (the one just built)."""
+    builds = [folder for folder in build_dir().glob(PREFIX + "*") if folder.is_dir() and folder != keep]
+    builds.sort(key=lambda folder: folder.stat().st_mtime, reverse=True)
+    for folder in builds[KEPT_BUILDS - 1 :]:
+        logger.info("removing the kernel build %s, the least recently used", folder.name)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @functools.cache
@@ -120,18 +144,21 @@ def cpu_kernels() -> ModuleType | None:
         if spec is not None and spec.loader is not None:
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
+            mark_used(folder)
             return module
         from torch.utils.cpp_extension import load
 
         folder.mkdir(parents=True, exist_ok=True)
         logger.info("building the C++ CPU kernels (once; minutes on a small machine)")
-        return load(
+        module = load(
             name,
             [str(source) for source in SOURCES],
             extra_cflags=build_flags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
         )
+        prune_builds(keep=folder)
+        return module
     except Exception as e:  # a missing compiler or headers: fall back, loudly once
         logger.warning("the C++ CPU kernels could not be built (%s); using PyTorch ops", e)
         return None
