@@ -115,10 +115,18 @@ def mark_used(folder: Path) -> None:
         pass
 
 
+def last_used(folder: Path) -> float:
+    """0 for a folder that another process removed meanwhile."""
+    try:
+        return folder.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def prune_builds(keep: Path) -> None:
     """Removes all but the KEPT_BUILDS most recently used builds, never `keep` (the one just built)."""
     builds = [folder for folder in build_dir().glob(PREFIX + "*") if folder.is_dir() and folder != keep]
-    builds.sort(key=lambda folder: folder.stat().st_mtime, reverse=True)
+    builds.sort(key=last_used, reverse=True)
     for folder in builds[KEPT_BUILDS - 1 :]:
         logger.info("removing the kernel build %s, the least recently used", folder.name)
         shutil.rmtree(folder, ignore_errors=True)
