@@ -70,9 +70,8 @@ class EngineOptions:
     cpu_kernels: str = "auto"
     """auto: decode attention, RMSNorm, rotary embedding and activations in C++ kernels compiled on first
     use (CPU, bfloat16/float32) where they build, and decode steps of Llama- and Gemma-shaped models and
-    mixtures of experts (and their
-    prefill steps whose attention is all on the C++ kernel) as one fused C++ call
-    (nanoserve.model.layers.fused_decoder); unfused: the same kernels called layer by layer from
+    mixtures of experts (and their prefill steps whose attention is all on the C++ kernel) as one fused
+    C++ call (nanoserve.model.layers.fused_decoder); unfused: the same kernels called layer by layer from
     the PyTorch modules; off: PyTorch ops only."""
     matmul_choice: str = "auto"
     """With quantization: auto measures, once per CPU and weight shape (cached beside the kernel builds),

@@ -82,8 +82,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=CPU_KERNEL_MODES,
         default=None,
         help="auto: C++ kernels on CPU where they build, decode (and prefill) steps of Llama- and "
-        "Gemma-shaped models and mixtures of experts fused into one C++ call; unfused: the same kernels called from the PyTorch modules; "
-        "off: PyTorch ops only",
+        "Gemma-shaped models and mixtures of experts fused into one C++ call; unfused: the same kernels "
+        "called from the PyTorch modules; off: PyTorch ops only",
     )
     group.add_argument(
         "--matmul-choice",

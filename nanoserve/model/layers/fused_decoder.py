@@ -93,7 +93,7 @@ def build_fused_decoder(
     kernels: ModuleType,
 ) -> Any:
     """A kernels.FusedDecoder over the embedding [vocab, hidden] (times embed_scale, if any), `layers` (see
-    fusable_layers), the final norm and the rotary tables [positions, 2, head_dim]
+    fusable_layers), the final norm and the rotary tables [positions, 2, rotated dims of a head]
     (RotaryEmbedding.table_for): the global one and the local one (or None) of the layers is_local marks."""
     fused = []
     for layer, local in zip(layers, is_local, strict=True):
